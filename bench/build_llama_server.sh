@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build llama.cpp's C++ `llama-server` from the llama.cpp sources vendored in the
+# llama-cpp-python sdist we depend on, with the same CMake flags, for side-by-side benchmarks.
+# Output: .bench/llama-server (ignored by git). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+work=.bench/llama.cpp-$version
+binary=.bench/llama-server
+if [[ -x $binary && -f $work/.built ]]; then
+    echo "$binary is up to date"
+    exit 0
+fi
+mkdir -p .bench
+if [[ ! -d $work/src ]]; then
+    python3 -m pip download --no-deps --no-binary :all:\
+        "llama-cpp-python==$version" -d .bench/sdist >/dev/null
+    mkdir -p "$work"
+    tar xzf ".bench/sdist/llama_cpp_python-$version.tar.gz" -C "$work" --strip-components=3 \
+        "llama_cpp_python-$version/vendor/llama.cpp"
+    mkdir -p "$work/src" && touch "$work/src/.extracted"
+fi
+# shellcheck disable=SC2086
+cmake -S "$work" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DBUILD_SHARED_LIBS=OFF $(make -s --no-print-directory llama-cmake-args)
+cmake --build "$work/build" --target llama-server -j "$(nproc)"
+cp "$work/build/bin/llama-server" "$binary"
+touch "$work/.built"
+echo "built $binary"

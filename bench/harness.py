@@ -1,0 +1,211 @@
+"""Shared bench plumbing: start servers side by side on loopback, stream chat requests at a
+given concurrency, and summarise throughput and latency."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_SERVER = ROOT / ".bench" / "llama-server"
+MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    slots: int
+    ctx_size: int  # per slot
+    threads: int
+    batch_size: int = 512
+
+    def command(self, port: int, model_path: Path) -> list[str]:
+        if self.name == "fastrun-cpp":
+            return [sys.executable, "-m", "fastrun_cpp", "serve", "--port", str(port),
+                    "--slots", str(self.slots), "--ctx-size", str(self.ctx_size),
+                    "--threads", str(self.threads), "--batch-size", str(self.batch_size),
+                    "--log-level", "warning"]
+        if self.name == "llama-server":
+            return [str(LLAMA_SERVER), "--port", str(port), "-m", str(model_path),
+                    "-np", str(self.slots), "-c", str(self.slots * self.ctx_size),
+                    "-t", str(self.threads), "-tb", str(self.threads), "-b", str(self.batch_size),
+                    "--alias", MODEL_ID, "--no-webui", "--log-disable"]
+        raise ValueError(self.name)
+
+
+@contextmanager
+def running(spec: ServerSpec, model_path: Path) -> Iterator[str]:
+    port = free_port()
+    log = open(ROOT / ".bench" / f"{spec.name}.log", "wb")
+    process = subprocess.Popen(spec.command(port, model_path), stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{spec.name} exited; see .bench/{spec.name}.log")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{spec.name} did not start")
+            time.sleep(0.2)
+        yield base + "/v1"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    duration: float = 0.0
+    completion_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+TOPICS = ["a lighthouse keeper", "a lost robot", "a mountain village", "a pirate ship", "an old library",
+          "a desert caravan", "a space station", "a secret garden", "a clockmaker", "a winter festival",
+          "a river journey", "a dragon egg", "a jazz musician", "a deep sea diver", "a chess champion",
+          "a traveling circus"]
+
+
+def chat_body(index: int, max_tokens: int) -> dict:
+    topic = TOPICS[index % len(TOPICS)]
+    return {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def stream_chat(client: httpx.AsyncClient, base_url: str, body: dict) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", f"{base_url}/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}"
+                return result
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error event")
+                    return result
+                if chunk.get("usage"):
+                    result.completion_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        now = time.perf_counter() - start
+                        if not result.token_times:
+                            result.ttft = now
+                        result.token_times.append(now)
+            result.ok = done
+            if not done:
+                result.error = "stream ended without [DONE]"
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.duration = time.perf_counter() - start
+    return result
+
+
+async def run_level(base_url: str, concurrency: int, requests: int, max_tokens: int) -> tuple[float, list[RequestResult]]:
+    """`requests` streamed chats, at most `concurrency` in flight; returns (wall seconds, results)."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(requests):
+        queue.put_nowait(index)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker():
+            while not queue.empty():
+                index = queue.get_nowait()
+                results.append(await stream_chat(client, base_url, chat_body(index, max_tokens)))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return wall, results
+
+
+def percentile(values: list[float], pct: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+@dataclass
+class LevelSummary:
+    server: str
+    concurrency: int
+    tok_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+    failures: int
+    requests: int
+
+    @classmethod
+    def of(cls, server: str, concurrency: int, wall: float, results: list[RequestResult]) -> "LevelSummary":
+        good = [r for r in results if r.ok]
+        tokens = sum(r.completion_tokens for r in good)
+        ttfts = [r.ttft for r in good]
+        gaps = [b - a for r in good for a, b in zip(r.token_times, r.token_times[1:])]
+        return cls(server, concurrency, tokens / wall if wall else 0.0,
+                   percentile(ttfts, 50), percentile(ttfts, 99),
+                   percentile(gaps, 50), percentile(gaps, 99),
+                   len(results) - len(good), len(results))
+
+
+def median_summary(summaries: list[LevelSummary]) -> LevelSummary:
+    first = summaries[0]
+    return LevelSummary(
+        first.server, first.concurrency,
+        statistics.median(s.tok_per_s for s in summaries),
+        statistics.median(s.ttft_p50 for s in summaries),
+        statistics.median(s.ttft_p99 for s in summaries),
+        statistics.median(s.itl_p50 for s in summaries),
+        statistics.median(s.itl_p99 for s in summaries),
+        sum(s.failures for s in summaries), sum(s.requests for s in summaries),
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from fastrun_cpp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""A llama_batch backed by numpy arrays, so filling it costs no per-token ctypes calls."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import llama_cpp.llama_cpp as llama
+import numpy as np
+
+
+class TokenBatch:
+    """One decode step's tokens: each with its position, sequence and whether logits are wanted."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self._tokens = np.zeros(capacity, dtype=np.int32)
+        self._positions = np.zeros(capacity, dtype=np.int32)
+        self._n_seq_ids = np.ones(capacity, dtype=np.int32)
+        self._seq_ids = np.zeros(capacity, dtype=np.int32)
+        self._logits = np.zeros(capacity, dtype=np.int8)
+        # llama_batch wants one seq_id array per token; point each at its element of _seq_ids.
+        seq_id_p = ctypes.POINTER(llama.llama_seq_id)
+        base = self._seq_ids.ctypes.data
+        itemsize = self._seq_ids.itemsize
+        self._seq_id_ptrs = (seq_id_p * capacity)(
+            *(ctypes.cast(base + i * itemsize, seq_id_p) for i in range(capacity))
+        )
+        self._batch = llama.llama_batch(
+            n_tokens=0,
+            token=self._tokens.ctypes.data_as(ctypes.POINTER(llama.llama_token)),
+            embd=None,
+            pos=self._positions.ctypes.data_as(ctypes.POINTER(llama.llama_pos)),
+            n_seq_id=self._n_seq_ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=self._seq_id_ptrs,
+            logits=self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.size
+
+    def clear(self) -> None:
+        self.size = 0
+
+    def add(self, seq_id: int, tokens: Sequence[int], start_pos: int, *, logits_last: bool) -> int:
+        """Append consecutive tokens of one sequence; return the batch index of the last one."""
+        count = len(tokens)
+        start, end = self.size, self.size + count
+        if end > self.capacity:
+            raise ValueError("batch overflow")
+        self._tokens[start:end] = tokens
+        self._positions[start:end] = np.arange(start_pos, start_pos + count, dtype=np.int32)
+        self._seq_ids[start:end] = seq_id
+        self._logits[start:end] = 0
+        if logits_last:
+            self._logits[end - 1] = 1
+        self.size = end
+        return end - 1
+
+    def as_llama_batch(self) -> llama.llama_batch:
+        self._batch.n_tokens = self.size
+        return self._batch

@@ -1,0 +1,316 @@
+"""The continuous-batching engine: one llama.cpp context, N slots, one scheduler thread.
+
+Each scheduler step is a single `llama_decode` whose batch holds the next token of every
+generating slot plus a bounded chunk of prompt tokens of slots still in prefill, so a long
+prompt never stalls the streams already running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import llama_cpp.llama_cpp as llama
+
+from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.request import (
+    EngineError,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+)
+from fastrun_cpp.engine.sampling import SamplerChain
+from fastrun_cpp.engine.slot import Slot
+
+logger = logging.getLogger(__name__)
+
+OutputHandler = Callable[[list[GenerationOutput]], None]
+
+
+class PromptTooLongError(EngineError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    slots: int = 4
+    ctx_size: int = 4096  # per slot: prompt plus answer
+    batch_size: int = 512  # most tokens in one decode step
+    threads: int = 4
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    limit = min(len(a), len(b))
+    index = 0
+    while index < limit and a[index] == b[index]:
+        index += 1
+    return index
+
+
+class Engine:
+    """Owns a llama context and its slots; thread-safe `add_request` / `abort_request`.
+
+    Outputs of every step are handed, in one call per step, to `output_handler` on the
+    scheduler thread; the handler must not block.
+    """
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, output_handler: OutputHandler) -> None:
+        if config.batch_size < config.slots:
+            raise ValueError("batch_size must be at least the number of slots")
+        self.model = model
+        self.config = config
+        self._output_handler = output_handler
+        params = llama.llama_context_default_params()
+        params.n_ctx = config.slots * config.ctx_size
+        params.n_batch = config.batch_size
+        params.n_ubatch = min(config.batch_size, 512)
+        params.n_seq_max = config.slots
+        params.n_threads = config.threads
+        params.n_threads_batch = config.threads
+        # A KV stream of its own per slot: attention then never spans other slots' cells, so a
+        # request's output does not depend on what else is in the batch (a unified cache
+        # changes reduction order and flips greedy choices).
+        params.kv_unified = False
+        params.no_perf = True
+        self._ctx = llama.llama_init_from_model(model.handle, params)
+        if not self._ctx:
+            raise EngineError("llama.cpp could not create a context (out of memory?)")
+        self._memory = llama.llama_get_memory(self._ctx)
+        self._batch = TokenBatch(config.batch_size)
+        self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
+        self._waiting: deque[GenerationRequest] = deque()
+        self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
+        self._clock = 0  # increases every admission; orders slots by recency
+
+        self._lock = threading.Condition()
+        self._inbox: list[GenerationRequest] = []
+        self._aborts: set[str] = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
+
+    # ----------------------------------------------------------------- public, any thread
+
+    @property
+    def max_context(self) -> int:
+        return self.config.ctx_size
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def check_prompt(self, n_prompt_tokens: int) -> None:
+        if n_prompt_tokens == 0:
+            raise PromptTooLongError("the prompt is empty")
+        if n_prompt_tokens >= self.config.ctx_size:
+            raise PromptTooLongError(
+                f"the prompt is {n_prompt_tokens} tokens long, but the context window is "
+                f"{self.config.ctx_size} tokens (prompt and answer together)"
+            )
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.check_prompt(len(request.prompt_tokens))
+        with self._lock:
+            if self._stopping:
+                raise EngineError("the engine is shutting down")
+            self._inbox.append(request)
+            self._lock.notify()
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self._ctx:
+            llama.llama_free(self._ctx)
+            self._ctx = None
+
+    def load(self) -> tuple[int, int]:
+        """(busy slots, waiting requests), approximately."""
+        busy = sum(1 for slot in self._slots if not slot.is_free)
+        return busy, len(self._waiting) + len(self._inbox)
+
+    # ------------------------------------------------------------- scheduler thread only
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._aborts or self._has_work()):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                incoming, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            try:
+                self._waiting.extend(incoming)
+                if aborts:
+                    self._unsent.extend(self._abort(aborts))
+                self._admit()
+                if self._has_active():
+                    outputs = self._step()  # flushes self._unsent before it decodes
+                    self._unsent.extend(outputs)
+            except Exception as exc:  # never let one bad step kill the scheduler
+                logger.exception("scheduler step failed")
+                self._unsent.extend(self._fail_active(f"engine failure: {exc}"))
+            if not self._has_active():
+                self._flush()
+        self._unsent.extend(self._fail_all("the server is shutting down"))
+        self._flush()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or self._has_active()
+
+    def _has_active(self) -> bool:
+        return any(not slot.is_free for slot in self._slots)
+
+    def _flush(self) -> None:
+        """Hand the outputs gathered so far to the output handler."""
+        if not self._unsent:
+            return
+        outputs, self._unsent = self._unsent, []
+        try:
+            self._output_handler(outputs)
+        except Exception:
+            logger.exception("output handler failed")
+
+    def _abort(self, request_ids: set[str]) -> list[GenerationOutput]:
+        outputs = []
+        for request in [r for r in self._waiting if r.request_id in request_ids]:
+            self._waiting.remove(request)
+            outputs.append(GenerationOutput(request.request_id, finish_reason=FinishReason.ABORTED))
+        for slot in self._slots:
+            if slot.request is not None and slot.request.request_id in request_ids:
+                outputs.append(slot.output(finish_reason=FinishReason.ABORTED))
+                self._release(slot)
+        return outputs
+
+    def _admit(self) -> None:
+        while self._waiting:
+            free = [slot for slot in self._slots if slot.is_free]
+            if not free:
+                return
+            request = self._waiting.popleft()
+            prompt = request.prompt_tokens
+            # Longest shared prefix wins; ties and misses go to the least recently used slot.
+            slot = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
+            reused = self._reuse_prefix(slot, prompt)
+            sampler = SamplerChain(request.sampling, penalty_window=self.config.ctx_size)
+            sampler.accept_prompt(prompt)
+            room = self.config.ctx_size - len(prompt)
+            max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+            self._clock += 1
+            slot.start(
+                request,
+                reused=reused,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                token_bytes=self.model.token_bytes,
+                admitted_at=self._clock,
+            )
+
+    def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> int:
+        """Drop the slot's KV past the prefix it shares with `prompt`; return that prefix length."""
+        reused = common_prefix_length(slot.cache_tokens, prompt)
+        reused = min(reused, len(prompt) - 1)  # the last prompt token must be evaluated for logits
+        if reused > 0 and self.model.n_swa > 0:
+            # A sliding-window cache may have dropped positions the reused prefix still needs.
+            pos_min = llama.llama_memory_seq_pos_min(self._memory, slot.seq_id)
+            if pos_min > max(0, reused - self.model.n_swa):
+                reused = 0
+        if not llama.llama_memory_seq_rm(self._memory, slot.seq_id, reused, -1):
+            reused = 0
+            llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+        return reused
+
+    def _step(self) -> list[GenerationOutput]:
+        batch = self._batch
+        batch.clear()
+        in_batch: list[Slot] = []
+        sampling: list[Slot] = []
+        for slot in self._slots:
+            if slot.is_decoding:
+                slot.batch_index = batch.add(
+                    slot.seq_id, (slot.pending_token,), len(slot.cache_tokens), logits_last=True
+                )
+                slot.cache_tokens.append(slot.pending_token)
+                slot.pending_token = None
+                in_batch.append(slot)
+                sampling.append(slot)
+        prefilling = sorted((s for s in self._slots if s.is_prefilling), key=lambda s: s.admitted_at)
+        for slot in prefilling:
+            if batch.free == 0:
+                break
+            prompt = slot.request.prompt_tokens
+            chunk = prompt[slot.prompt_cursor : slot.prompt_cursor + batch.free]
+            done = slot.prompt_cursor + len(chunk) == len(prompt)
+            index = batch.add(slot.seq_id, chunk, slot.prompt_cursor, logits_last=done)
+            slot.cache_tokens.extend(chunk)
+            slot.prompt_cursor += len(chunk)
+            in_batch.append(slot)
+            if done:
+                slot.batch_index = index
+                sampling.append(slot)
+
+        # Deliver the previous step's outputs only now: their readers then run on the event
+        # loop while this thread waits in llama_decode without the GIL, instead of competing
+        # with it for the GIL while the batch is built.
+        self._flush()
+        status = llama.llama_decode(self._ctx, batch.as_llama_batch())
+        if status != 0:
+            logger.error("llama_decode failed with status %d on a batch of %d tokens", status, batch.size)
+            return self._fail_slots(in_batch, f"llama_decode failed (status {status})")
+        return [self._accept_token(slot, slot.sampler.sample(self._ctx, slot.batch_index)) for slot in sampling]
+
+    def _accept_token(self, slot: Slot, token: int) -> GenerationOutput:
+        slot.n_generated += 1
+        if token in self.model.eog_token_ids:
+            text, _ = slot.finish_text()
+            return self._finish(slot, FinishReason.STOP, text, [])
+        text, stopped = slot.stop_matcher.push(slot.detokenizer.push(token))
+        if stopped:
+            return self._finish(slot, FinishReason.STOP, text, [token])
+        if slot.n_generated >= slot.max_tokens:
+            tail, stopped = slot.finish_text()
+            reason = FinishReason.STOP if stopped else FinishReason.LENGTH
+            return self._finish(slot, reason, text + tail, [token])
+        slot.pending_token = token
+        return slot.output(text=text, token_ids=[token])
+
+    def _finish(self, slot: Slot, reason: FinishReason, text: str, token_ids: list[int]) -> GenerationOutput:
+        output = slot.output(text=text, token_ids=token_ids, finish_reason=reason)
+        self._release(slot)
+        return output
+
+    def _release(self, slot: Slot) -> None:
+        slot.release(self._clock)
+
+    def _fail_slots(self, slots: list[Slot], message: str) -> list[GenerationOutput]:
+        outputs = []
+        for slot in slots:
+            if slot.request is None:
+                continue
+            outputs.append(slot.output(finish_reason=FinishReason.ERROR, error=message))
+            self._release(slot)
+            llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+            slot.forget_cache()
+        return outputs
+
+    def _fail_active(self, message: str) -> list[GenerationOutput]:
+        return self._fail_slots([s for s in self._slots if not s.is_free], message)
+
+    def _fail_all(self, message: str) -> list[GenerationOutput]:
+        outputs = [
+            GenerationOutput(r.request_id, finish_reason=FinishReason.ERROR, error=message)
+            for r in list(self._waiting) + self._inbox
+        ]
+        self._waiting.clear()
+        self._inbox.clear()
+        return outputs + self._fail_active(message)

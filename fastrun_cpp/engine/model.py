@@ -1,0 +1,105 @@
+"""A loaded GGUF model: weights, vocabulary and metadata, shared read-only by every context."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import llama_cpp.llama_cpp as llama
+
+from fastrun_cpp.engine.backend import init_backend
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+class LlamaModel:
+    """Weights and vocabulary of one GGUF file.
+
+    Tokenization and detokenization only read the vocabulary, so they are safe to call from
+    any thread while a context decodes on another.
+    """
+
+    def __init__(self, path: Path, *, n_gpu_layers: int = -1) -> None:
+        init_backend()
+        self.path = Path(path)
+        params = llama.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 2**31 - 1
+        self._model = llama.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}")
+        self._vocab = llama.llama_model_get_vocab(self._model)
+        self.n_vocab: int = llama.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train: int = llama.llama_model_n_ctx_train(self._model)
+        self.n_swa: int = llama.llama_model_n_swa(self._model)
+        self.add_bos: bool = bool(llama.llama_vocab_get_add_bos(self._vocab))
+        self.bos_token_id: int = llama.llama_vocab_bos(self._vocab)
+        self.eos_token_id: int = llama.llama_vocab_eos(self._vocab)
+        self.bos_text = self._piece(self.bos_token_id, special=True).decode("utf-8", "replace")
+        self.eos_text = self._piece(self.eos_token_id, special=True).decode("utf-8", "replace")
+        # Detokenizing from a table keeps ctypes calls out of the scheduler's per-token path.
+        self.token_bytes: list[bytes] = [
+            self._piece(token, special=False) for token in range(self.n_vocab)
+        ]
+        self.eog_token_ids: frozenset[int] = frozenset(
+            token for token in range(self.n_vocab) if llama.llama_vocab_is_eog(self._vocab, token)
+        )
+        self.chat_template: str | None = self._chat_template()
+        self.description = self.metadata("general.name") or self.path.stem
+
+    @property
+    def handle(self) -> llama.llama_model_p:
+        return self._model
+
+    def metadata(self, key: str) -> str | None:
+        size = llama.llama_model_meta_val_str(self._model, key.encode(), None, 0)
+        if size < 0:
+            return None
+        buffer = ctypes.create_string_buffer(size + 1)
+        llama.llama_model_meta_val_str(self._model, key.encode(), buffer, size + 1)
+        return buffer.value.decode("utf-8", errors="replace")
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (llama.llama_token * capacity)()
+        count = llama.llama_tokenize(
+            self._vocab, data, len(data), tokens, capacity, add_special, parse_special
+        )
+        if count < 0:  # the buffer was too small: -count tokens are needed
+            capacity = -count
+            tokens = (llama.llama_token * capacity)()
+            count = llama.llama_tokenize(
+                self._vocab, data, len(data), tokens, capacity, add_special, parse_special
+            )
+        return tokens[:count]
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """Tokenize a whole prompt: special tokens are parsed, and BOS is added only where the
+        model wants one and the text (a rendered chat template, say) does not start with it."""
+        add_bos = self.add_bos and not (self.bos_text and text.startswith(self.bos_text))
+        return self.tokenize(text, add_special=add_bos, parse_special=True)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes[token] for token in tokens).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if self._model:
+            llama.llama_model_free(self._model)
+            self._model = None
+
+    def _piece(self, token: int, *, special: bool) -> bytes:
+        buffer = ctypes.create_string_buffer(64)
+        size = llama.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
+        if size < 0:
+            buffer = ctypes.create_string_buffer(-size)
+            size = llama.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
+        return buffer.raw[:size]
+
+    def _chat_template(self) -> str | None:
+        template = llama.llama_model_chat_template(self._model, None)
+        return template.decode("utf-8") if template else None

@@ -1,0 +1,56 @@
+"""What the engine takes in and hands out, independent of any API."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from fastrun_cpp.engine.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORTED = "aborted"  # the caller went away
+    ERROR = "error"  # the engine failed this request
+
+
+class EngineError(Exception):
+    """The engine could not serve a request (llama.cpp failed, or the engine is shutting down)."""
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: until the context window is full
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class GenerationOutput:
+    """A delta of one request's progress: the text and tokens produced since the last output."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0  # total so far, not a delta
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, later: GenerationOutput) -> None:
+        """Fold a later delta into this one (a slow reader gets several steps at once)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.finish_reason = later.finish_reason
+        self.prompt_tokens = later.prompt_tokens
+        self.cached_tokens = later.cached_tokens
+        self.completion_tokens = later.completion_tokens
+        self.error = later.error

@@ -1,0 +1,1 @@
+"""HTTP entry points. They talk to the engine through AsyncEngine only, never to llama.cpp."""

@@ -1,0 +1,1 @@
+"""The fastrun API (OpenAI-compatible), served under /v1."""

@@ -1,0 +1,311 @@
+"""Pydantic models of the fastrun API, mirroring ../shared/spec/openapi.yaml one to one.
+
+Requests accept (and ignore) fields the spec does not name, as OpenAI's own API does, so
+SDKs that send extras keep working; every named field is validated to the spec's range.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def unix_time() -> int:
+    return int(time.time())
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ResponseModel(BaseModel):
+    """Serializes every field, null included, except those named in `omit_if_none`
+    (OpenAI leaves those keys out rather than sending null)."""
+
+    model_config = ConfigDict(extra="forbid")
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self.omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+# ------------------------------------------------------------------------ shared pieces
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+StopSequences = Union[str, Annotated[list[str], Field(max_length=4)]]
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormatText(RequestModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(RequestModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(RequestModel):
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormatJSONSchema(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    Union[ResponseFormatText, ResponseFormatJSONObject, ResponseFormatJSONSchema],
+    Field(discriminator="type"),
+]
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+# ------------------------------------------------------------------------ chat
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(
+                        f"content part {index} has type {kind!r}; only text parts are supported "
+                        "(fastrun serves text only)"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {index} needs a string 'text'")
+        return content
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant"):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(RequestModel):
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=16384)] | None = None
+    # Newer OpenAI SDKs send this instead of max_tokens; same meaning.
+    max_completion_tokens: Annotated[int, Field(ge=1, le=16384)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=1000)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0, le=2)] | None = None
+    stop: StopSequences | None = None
+    seed: Annotated[int, Field(ge=0, le=2147483647)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+
+
+class ChatResponseMessage(ResponseModel):
+    omit_if_none = frozenset({"reasoning", "tool_calls"})
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatCompletionChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletion(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(ResponseModel):
+    omit_if_none = frozenset({"role", "content", "reasoning", "tool_calls"})
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionChunkChoice(ResponseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    omit_if_none = frozenset({"usage"})
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None
+
+
+# ------------------------------------------------------------------------ completions
+
+class CompletionRequest(RequestModel):
+    model: str
+    prompt: str | list[str]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=16384)] = 16
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=1000)] | None = None
+    stop: StopSequences | None = None
+    seed: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _not_empty_list(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be an empty list")
+        return prompt
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: dict[str, Any] | None = None
+
+
+class Completion(ResponseModel):
+    omit_if_none = frozenset({"usage"})
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ------------------------------------------------------------------------ models
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "fastrun"
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------ errors
+
+ErrorType = Literal[
+    "invalid_request_error", "authentication_error", "rate_limit_error", "upstream_error", "unavailable"
+]
+
+
+class ErrorBody(ResponseModel):
+    message: str
+    type: ErrorType
+    code: int
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorBody

@@ -1,0 +1,106 @@
+"""POST /v1/completions: raw text continuation, one choice per prompt."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from fastrun_cpp.engine import GenerationOutput, GenerationRequest
+from fastrun_cpp.entrypoints.openai.errors import APIError
+from fastrun_cpp.entrypoints.openai.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    random_id,
+    unix_time,
+)
+from fastrun_cpp.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    collect,
+    openai_finish_reason,
+    sampling_params,
+    stop_sequences,
+    usage_of,
+)
+from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
+from fastrun_cpp.entrypoints.openai.utils import merge_async_iterators
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> Completion | AsyncIterator[str]:
+        served = self.models.get(request.model)
+        if request.logprobs is not None:
+            raise APIError(400, "logprobs is not supported yet")
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        completion_id = random_id("cmpl")
+        sampling = sampling_params(request)
+        stop = stop_sequences(request.stop)
+        generations = [
+            GenerationRequest(
+                request_id=f"{completion_id}-{index}",
+                prompt_tokens=await self.tokenize(served, prompt),
+                sampling=sampling,
+                max_tokens=request.max_tokens,
+                stop=stop,
+            )
+            for index, prompt in enumerate(prompts)
+        ]
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return self._stream(served, request, completion_id, generations, include_usage)
+        return await self._complete(served, request, completion_id, generations)
+
+    async def _complete(
+        self,
+        served: ServedModel,
+        request: CompletionRequest,
+        completion_id: str,
+        generations: list[GenerationRequest],
+    ) -> Completion:
+        tasks = [asyncio.ensure_future(collect(self.generate(served, g))) for g in generations]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # one prompt failed or the client left: stop the others too
+            for task in tasks:
+                task.cancel()
+        return Completion(
+            id=completion_id,
+            created=unix_time(),
+            model=request.model,
+            choices=[
+                CompletionChoice(index=index, text=text, finish_reason=openai_finish_reason(last.finish_reason))
+                for index, (text, last) in enumerate(results)
+            ],
+            usage=usage_of([last for _, last in results]),
+        )
+
+    async def _stream(
+        self,
+        served: ServedModel,
+        request: CompletionRequest,
+        completion_id: str,
+        generations: list[GenerationRequest],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        created = unix_time()
+
+        def chunk(choices: list[CompletionChoice], usage=None) -> str:
+            return Completion(
+                id=completion_id, created=created, model=request.model, choices=choices, usage=usage
+            ).model_dump_json()
+
+        finals: dict[int, GenerationOutput] = {}
+        streams = [self.generate(served, generation) for generation in generations]
+        try:
+            async for index, output in merge_async_iterators(*streams):
+                if output.text or output.finished:
+                    finish_reason = openai_finish_reason(output.finish_reason)
+                    yield chunk([CompletionChoice(index=index, text=output.text, finish_reason=finish_reason)])
+                if output.finished:
+                    finals[index] = output
+        except APIError as exc:
+            yield exc.json()
+            return
+        if include_usage:
+            yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)]))
+        yield "[DONE]"

@@ -1,0 +1,56 @@
+"""Server settings: `FASTRUN_*` environment variables, overridden by command-line flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fastrun_cpp.default_model import DEFAULT_MODEL_ID
+
+
+def _physical_cores() -> int:
+    # llama.cpp runs fastest with one thread per physical core; hyperthreads only add contention.
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
+    except OSError:
+        return max(1, usable)
+    cores = set()
+    for block in cpuinfo.split("\n\n"):
+        fields = dict(
+            (key.strip(), value.strip())
+            for key, _, value in (line.partition(":") for line in block.splitlines())
+        )
+        if "core id" in fields:
+            cores.add((fields.get("physical id"), fields["core id"]))
+    return max(1, min(usable, len(cores) or usable))
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FASTRUN_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    model: str = Field(
+        DEFAULT_MODEL_ID,
+        description="Model to serve: a path to a GGUF file or the id of the embedded default model.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id clients send; defaults to the model's id or GGUF file name."
+    )
+    slots: int = Field(4, ge=1, le=256, description="Parallel sequences decoded together.")
+    ctx_size: int = Field(
+        4096, ge=64, description="Context window of each slot, in tokens (prompt plus answer)."
+    )
+    batch_size: int = Field(
+        512,
+        ge=16,
+        description="Most tokens in one decode step; long prompts are prefilled in chunks of this size.",
+    )
+    threads: int = Field(default_factory=_physical_cores, ge=1, description="CPU threads for decoding.")
+    n_gpu_layers: int = Field(-1, description="Layers to offload to a GPU (-1: all, 0: none).")
+    log_level: str = Field("info", description="Log level: debug, info, warning, error.")
+    log_prompts: bool = Field(False, description="Log prompt and answer text (off by default).")

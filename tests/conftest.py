@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server import DEFAULT_MODEL, RunningServer, run_server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> RunningServer:
+    """The shared server: the embedded default model, 4 slots of 2048 tokens."""
+    with run_server("--slots", "4", "--ctx-size", "2048", log_dir=tmp_path_factory.mktemp("logs")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+async def async_client(server):
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def http(server) -> httpx.Client:
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        yield c

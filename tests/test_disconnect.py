@@ -1,0 +1,67 @@
+"""A client that goes away frees its slot at the next decode step."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.server import DEFAULT_MODEL, run_server
+
+# The default model keeps counting for as long as it is allowed to: a long generation.
+COUNTING = {"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory):
+    with run_server("--slots", "1", "--ctx-size", "2048", log_dir=tmp_path_factory.mktemp("logs")) as server:
+        yield server
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stream_disconnect_frees_the_slot(one_slot_server):
+    server = one_slot_server
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/completions", json={**COUNTING, "stream": True}) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(10)]
+            assert any(line.startswith("data: ") for line in received)
+            assert server.busy_slots() == 1
+        # The 2000-token answer would take many seconds more; the slot frees at once.
+        assert wait_for(lambda: server.busy_slots() == 0, timeout=3)
+        # And the one slot serves the next request.
+        answer = http.post("/completions", json={**COUNTING, "max_tokens": 4}).json()
+        assert answer["usage"]["completion_tokens"] == 4
+
+
+def test_non_streamed_disconnect_frees_the_slot(one_slot_server):
+    server = one_slot_server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/completions", json=COUNTING, timeout=1.0)
+    assert wait_for(lambda: server.busy_slots() == 0, timeout=3)
+
+
+def test_queued_request_waits_for_the_slot_and_is_served(one_slot_server):
+    server = one_slot_server
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/completions", json={**COUNTING, "stream": True}) as first:
+            lines = first.iter_lines()  # keep a reference: a dropped iterator closes the stream
+            assert next(lines).startswith("data: ")
+            with httpx.Client(base_url=server.base_url, timeout=60) as other:
+                # A second request queues behind the first; leaving the queue also works.
+                with pytest.raises(httpx.ReadTimeout):
+                    other.post("/completions", json={**COUNTING, "max_tokens": 3}, timeout=0.5)
+            assert server.health()["models"][DEFAULT_MODEL]["busy_slots"] == 1
+        assert wait_for(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] == 0
+                        and server.busy_slots() == 0)
+        answer = http.post("/completions", json={**COUNTING, "max_tokens": 3}).json()
+        assert answer["usage"]["completion_tokens"] == 3
