@@ -97,9 +97,9 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a mountain village", "a pirate
           "a traveling circus"]
 
 
-def chat_body(index: int, max_tokens: int) -> dict:
+def chat_body(index: int, max_tokens: int, extra: dict | None = None) -> dict:
     topic = TOPICS[index % len(TOPICS)]
-    return {
+    return (extra or {}) | {
         "model": MODEL_ID,
         "messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}],
         "max_tokens": max_tokens,
@@ -146,7 +146,9 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, body: dict) -> R
     return result
 
 
-async def run_level(base_url: str, concurrency: int, requests: int, max_tokens: int) -> tuple[float, list[RequestResult]]:
+async def run_level(
+    base_url: str, concurrency: int, requests: int, max_tokens: int, extra: dict | None = None
+) -> tuple[float, list[RequestResult]]:
     """`requests` streamed chats, at most `concurrency` in flight; returns (wall seconds, results)."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in range(requests):
@@ -158,7 +160,7 @@ async def run_level(base_url: str, concurrency: int, requests: int, max_tokens: 
         async def worker():
             while not queue.empty():
                 index = queue.get_nowait()
-                results.append(await stream_chat(client, base_url, chat_body(index, max_tokens)))
+                results.append(await stream_chat(client, base_url, chat_body(index, max_tokens, extra)))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

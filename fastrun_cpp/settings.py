@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, FilePath
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID
@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     )
     served_model_name: str | None = Field(
         None, description="Model id clients send; defaults to the model's id or GGUF file name."
+    )
+    chat_template_file: FilePath | None = Field(
+        None, description="A Jinja chat template file to use instead of the one in the GGUF."
     )
     slots: int = Field(4, ge=1, le=256, description="Parallel sequences decoded together.")
     ctx_size: int = Field(

@@ -17,11 +17,12 @@ def test_multibyte_characters_split_across_tokens_are_held_back():
     assert all("\ufffd" not in piece for piece in pieces)
 
 
-def test_invalid_bytes_become_one_replacement_at_the_end():
-    decoder = IncrementalDetokenizer([b"ok", b"\xe6\x9d"])
+def test_unfinished_character_at_the_end_is_dropped_and_invalid_bytes_replaced():
+    decoder = IncrementalDetokenizer([b"ok", b"\xe6\x9d", b"\xff"])
     assert decoder.push(0) == "ok"
     assert decoder.push(1) == ""
-    assert decoder.flush() == "\ufffd"
+    assert decoder.flush() == ""
+    assert decoder.push(2) == "\ufffd"
 
 
 def run_matcher(stops, pieces):

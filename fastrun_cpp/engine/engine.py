@@ -16,6 +16,7 @@ from typing import Callable
 import llama_cpp.llama_cpp as llama
 
 from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.request import (
     EngineError,
@@ -193,28 +194,35 @@ class Engine:
         return outputs
 
     def _admit(self) -> None:
-        while self._waiting:
-            free = [slot for slot in self._slots if slot.is_free]
-            if not free:
-                return
+        while self._waiting and any(slot.is_free for slot in self._slots):
             request = self._waiting.popleft()
-            prompt = request.prompt_tokens
-            # Longest shared prefix wins; ties and misses go to the least recently used slot.
-            slot = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
-            reused = self._reuse_prefix(slot, prompt)
-            sampler = SamplerChain(request.sampling, penalty_window=self.config.ctx_size)
-            sampler.accept_prompt(prompt)
-            room = self.config.ctx_size - len(prompt)
-            max_tokens = min(request.max_tokens, room) if request.max_tokens else room
-            self._clock += 1
-            slot.start(
-                request,
-                reused=reused,
-                max_tokens=max_tokens,
-                sampler=sampler,
-                token_bytes=self.model.token_bytes,
-                admitted_at=self._clock,
-            )
+            try:
+                self._start(request)
+            except Exception as exc:  # a request that cannot start fails alone
+                logger.exception("could not start request %s", request.request_id)
+                self._unsent.append(
+                    GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc))
+                )
+
+    def _start(self, request: GenerationRequest) -> None:
+        prompt = request.prompt_tokens
+        free = [slot for slot in self._slots if slot.is_free]
+        # Longest shared prefix wins; ties and misses go to the least recently used slot.
+        slot = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
+        sampler = SamplerChain(request.sampling, n_vocab=self.model.n_vocab, penalty_window=self.config.ctx_size)
+        sampler.accept_prompt(prompt)
+        reused = self._reuse_prefix(slot, prompt)
+        room = self.config.ctx_size - len(prompt)
+        max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+        self._clock += 1
+        slot.start(
+            request,
+            reused=reused,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            token_bytes=self.model.token_bytes,
+            admitted_at=self._clock,
+        )
 
     def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> int:
         """Drop the slot's KV past the prefix it shares with `prompt`; return that prefix length."""
@@ -273,19 +281,31 @@ class Engine:
         slot.n_generated += 1
         if token in self.model.eog_token_ids:
             text, _ = slot.finish_text()
-            return self._finish(slot, FinishReason.STOP, text, [])
+            return self._finish(slot, FinishReason.STOP, text, [], None)
+        top_n = slot.request.logprobs
+        logprobs = None
+        if top_n is not None:
+            logits = llama.llama_get_logits_ith(self._ctx, slot.batch_index)
+            logprobs = [token_logprob(logits, self.model.n_vocab, token, top_n)]
         text, stopped = slot.stop_matcher.push(slot.detokenizer.push(token))
         if stopped:
-            return self._finish(slot, FinishReason.STOP, text, [token])
+            return self._finish(slot, FinishReason.STOP, text, [token], logprobs)
         if slot.n_generated >= slot.max_tokens:
             tail, stopped = slot.finish_text()
             reason = FinishReason.STOP if stopped else FinishReason.LENGTH
-            return self._finish(slot, reason, text + tail, [token])
+            return self._finish(slot, reason, text + tail, [token], logprobs)
         slot.pending_token = token
-        return slot.output(text=text, token_ids=[token])
+        return slot.output(text=text, token_ids=[token], logprobs=logprobs)
 
-    def _finish(self, slot: Slot, reason: FinishReason, text: str, token_ids: list[int]) -> GenerationOutput:
-        output = slot.output(text=text, token_ids=token_ids, finish_reason=reason)
+    def _finish(
+        self,
+        slot: Slot,
+        reason: FinishReason,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+    ) -> GenerationOutput:
+        output = slot.output(text=text, token_ids=token_ids, finish_reason=reason, logprobs=logprobs)
         self._release(slot)
         return output
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from fastrun_cpp.engine.logprobs import TokenLogprob
 from fastrun_cpp.engine.sampling import SamplingParams
 
 
@@ -26,6 +27,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None  # None: until the context window is full
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; N: the sampled token's logprob and the N most likely
 
 
 @dataclass
@@ -40,6 +42,7 @@ class GenerationOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0  # total so far, not a delta
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per entry of token_ids, when asked for
 
     @property
     def finished(self) -> bool:
@@ -49,6 +52,8 @@ class GenerationOutput:
         """Fold a later delta into this one (a slow reader gets several steps at once)."""
         self.text += later.text
         self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
         self.finish_reason = later.finish_reason
         self.prompt_tokens = later.prompt_tokens
         self.cached_tokens = later.cached_tokens

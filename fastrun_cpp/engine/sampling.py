@@ -34,6 +34,9 @@ class SamplingParams:
         )
 
 
+MIN_REPETITION_PENALTY = 1e-3
+
+
 class SamplerChain:
     """A llama.cpp sampler chain owned by one slot for the life of one request.
 
@@ -41,14 +44,16 @@ class SamplerChain:
     Temperature 0 replaces the last four with greedy argmax.
     """
 
-    def __init__(self, params: SamplingParams, *, penalty_window: int) -> None:
+    def __init__(self, params: SamplingParams, *, n_vocab: int, penalty_window: int) -> None:
         self.params = params
         self._chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         self._penalties = None
         if params.penalized:
             self._penalties = llama.llama_sampler_init_penalties(
+                n_vocab,
                 penalty_window,
-                params.repetition_penalty,
+                # llama.cpp divides by it; the spec's lower bound 0 means "as strong as it gets".
+                max(params.repetition_penalty, MIN_REPETITION_PENALTY),
                 params.frequency_penalty,
                 params.presence_penalty,
             )

@@ -11,6 +11,7 @@ class IncrementalDetokenizer:
 
     A token may end inside a multi-byte UTF-8 character; those bytes are held back until the
     character completes, so a stream never shows a U+FFFD the full answer would not have.
+    Invalid bytes become U+FFFD; a character left unfinished when generation ends is dropped.
     """
 
     def __init__(self, token_bytes: Sequence[bytes]) -> None:
@@ -21,7 +22,9 @@ class IncrementalDetokenizer:
         return self._decoder.decode(self._token_bytes[token])
 
     def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
+        """End of the answer: drop the bytes of a character the model never finished."""
+        self._decoder.reset()
+        return ""
 
 
 class StopMatcher:

@@ -121,18 +121,22 @@ async def load_model(settings: Settings) -> ServedModel:
             "ctx_size %d exceeds the %d tokens %s was trained on; answers may degrade past that",
             config.ctx_size, model.n_ctx_train, model_id,
         )
+    template_source = model.chat_template
+    if settings.chat_template_file is not None:
+        template_source = settings.chat_template_file.read_text(encoding="utf-8")
+    chat_template = ChatTemplate(template_source, bos_token=model.bos_text, eos_token=model.eos_text)
     engine = AsyncEngine(model, config)
     served = ServedModel(
         id=settings.served_model_name or model_id,
         engine=engine,
-        chat_template=ChatTemplate(model.chat_template, bos_token=model.bos_text, eos_token=model.eos_text),
+        chat_template=chat_template,
         created=unix_time(),
     )
     logger.info(
         "serving %s (%s): %d slots x %d-token context, batch %d, %d threads",
         served.id, path, config.slots, config.ctx_size, config.batch_size, config.threads,
     )
-    if model.chat_template is None:
+    if template_source is None:
         logger.warning("%s has no chat template; using ChatML", served.id)
     return served
 

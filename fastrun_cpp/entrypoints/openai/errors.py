@@ -97,7 +97,8 @@ def validation_message(exc: RequestValidationError) -> str:
     if not field:
         if kind == "missing":
             return "the request body is required and must be a JSON object"
-        return "the request body must be a JSON object"
+        if kind in _TYPE_MISMATCH:
+            return "the request body must be a JSON object"
     if kind == "missing":
         return f"{field} is required"
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -115,6 +115,33 @@ ResponseFormat = Annotated[
 ]
 
 
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(ResponseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
@@ -189,6 +216,12 @@ class ChatCompletionRequest(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None
 
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
 
 class ChatResponseMessage(ResponseModel):
     omit_if_none = frozenset({"reasoning", "tool_calls"})
@@ -202,7 +235,7 @@ class ChatCompletionChoice(ResponseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: Literal["stop", "length", "tool_calls"] | None
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatChoiceLogprobs | None = None
 
 
 class ChatCompletion(ResponseModel):
@@ -226,7 +259,7 @@ class ChatCompletionChunkChoice(ResponseModel):
     index: int
     delta: ChatDelta
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(ResponseModel):
@@ -250,6 +283,11 @@ class CompletionRequest(RequestModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0, le=1000)] | None = None
+    # Not in the spec's completions page, but OpenAI's legacy API and chat accept them.
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0, le=2)] | None = None
     stop: StopSequences | None = None
     seed: int | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -267,7 +305,7 @@ class CompletionChoice(ResponseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(ResponseModel):

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 from fastrun_cpp.chat import ChatTemplateError
 from fastrun_cpp.engine import GenerationRequest
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
+from fastrun_cpp.entrypoints.openai.logprobs import chat_logprobs
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletion,
     ChatCompletionChoice,
@@ -69,6 +70,7 @@ class OpenAIServingChat(OpenAIServing):
             sampling=sampling_params(request),
             max_tokens=request.max_tokens or request.max_completion_tokens,
             stop=stop_sequences(request.stop),
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         )
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -78,8 +80,6 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     def _reject_unsupported(request: ChatCompletionRequest) -> None:
         # Named in the spec but not built yet: refuse rather than silently ignore them.
-        if request.logprobs or request.top_logprobs:
-            raise bad_request("logprobs is not supported yet")
         if request.tools and request.tool_choice != "none":
             raise bad_request("tools are not supported yet")
         if request.response_format is not None and request.response_format.type != "text":
@@ -90,7 +90,10 @@ class OpenAIServingChat(OpenAIServing):
     async def _complete(
         self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest
     ) -> ChatCompletion:
-        text, last = await collect(self.generate(served, generation))
+        result = await collect(self.generate(served, generation))
+        logprobs = None
+        if generation.logprobs is not None:
+            logprobs = chat_logprobs(served.engine.model.token_bytes, result.logprobs or [])
         return ChatCompletion(
             id=generation.request_id,
             created=unix_time(),
@@ -98,11 +101,12 @@ class OpenAIServingChat(OpenAIServing):
             choices=[
                 ChatCompletionChoice(
                     index=0,
-                    message=ChatResponseMessage(content=text),
-                    finish_reason=openai_finish_reason(last.finish_reason),
+                    message=ChatResponseMessage(content=result.text),
+                    finish_reason=openai_finish_reason(result.finish_reason),
+                    logprobs=logprobs,
                 )
             ],
-            usage=usage_of([last]),
+            usage=usage_of([result]),
         )
 
     async def _stream(
@@ -114,12 +118,12 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[str]:
         created = unix_time()
 
-        def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
+        token_bytes = served.engine.model.token_bytes
+
+        def chunk(delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
+            choice = ChatCompletionChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
             return ChatCompletionChunk(
-                id=generation.request_id,
-                created=created,
-                model=request.model,
-                choices=[ChatCompletionChunkChoice(index=0, delta=delta, finish_reason=finish_reason)],
+                id=generation.request_id, created=created, model=request.model, choices=[choice]
             ).model_dump_json()
 
         yield chunk(ChatDelta(role="assistant", content=""))
@@ -127,7 +131,9 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for output in self.generate(served, generation):
                 last = output
-                if output.text:
+                if output.logprobs:
+                    yield chunk(ChatDelta(content=output.text), logprobs=chat_logprobs(token_bytes, output.logprobs))
+                elif output.text:
                     yield chunk(ChatDelta(content=output.text))
         except APIError as exc:
             yield exc.json()

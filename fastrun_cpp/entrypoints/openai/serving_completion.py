@@ -7,6 +7,7 @@ from typing import AsyncIterator
 
 from fastrun_cpp.engine import GenerationOutput, GenerationRequest
 from fastrun_cpp.entrypoints.openai.errors import APIError
+from fastrun_cpp.entrypoints.openai.logprobs import CompletionLogprobsBuilder
 from fastrun_cpp.entrypoints.openai.protocol import (
     Completion,
     CompletionChoice,
@@ -29,8 +30,6 @@ from fastrun_cpp.entrypoints.openai.utils import merge_async_iterators
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Completion | AsyncIterator[str]:
         served = self.models.get(request.model)
-        if request.logprobs is not None:
-            raise APIError(400, "logprobs is not supported yet")
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         completion_id = random_id("cmpl")
         sampling = sampling_params(request)
@@ -42,6 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 sampling=sampling,
                 max_tokens=request.max_tokens,
                 stop=stop,
+                logprobs=request.logprobs,
             )
             for index, prompt in enumerate(prompts)
         ]
@@ -63,15 +63,25 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:  # one prompt failed or the client left: stop the others too
             for task in tasks:
                 task.cancel()
+        token_bytes = served.engine.model.token_bytes
         return Completion(
             id=completion_id,
             created=unix_time(),
             model=request.model,
             choices=[
-                CompletionChoice(index=index, text=text, finish_reason=openai_finish_reason(last.finish_reason))
-                for index, (text, last) in enumerate(results)
+                CompletionChoice(
+                    index=index,
+                    text=result.text,
+                    finish_reason=openai_finish_reason(result.finish_reason),
+                    logprobs=(
+                        CompletionLogprobsBuilder(token_bytes).add(result.logprobs or [])
+                        if request.logprobs is not None
+                        else None
+                    ),
+                )
+                for index, result in enumerate(results)
             ],
-            usage=usage_of([last for _, last in results]),
+            usage=usage_of(results),
         )
 
     async def _stream(
@@ -91,11 +101,17 @@ class OpenAIServingCompletion(OpenAIServing):
 
         finals: dict[int, GenerationOutput] = {}
         streams = [self.generate(served, generation) for generation in generations]
+        builders = [CompletionLogprobsBuilder(served.engine.model.token_bytes) for _ in generations]
         try:
             async for index, output in merge_async_iterators(*streams):
-                if output.text or output.finished:
-                    finish_reason = openai_finish_reason(output.finish_reason)
-                    yield chunk([CompletionChoice(index=index, text=output.text, finish_reason=finish_reason)])
+                if output.text or output.finished or output.logprobs:
+                    choice = CompletionChoice(
+                        index=index,
+                        text=output.text,
+                        finish_reason=openai_finish_reason(output.finish_reason),
+                        logprobs=builders[index].add(output.logprobs or []) if request.logprobs is not None else None,
+                    )
+                    yield chunk([choice])
                 if output.finished:
                     finals[index] = output
         except APIError as exc:

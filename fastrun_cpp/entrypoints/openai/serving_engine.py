@@ -25,7 +25,7 @@ _SAMPLING_DEFAULTS = SamplingParams()
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     def pick(name: str):
-        value = getattr(request, name, None)
+        value = getattr(request, name)
         return getattr(_SAMPLING_DEFAULTS, name) if value is None else value
 
     seed = request.seed
@@ -92,13 +92,14 @@ class OpenAIServing:
             raise upstream_error(f"the model failed to answer: {exc}") from exc
 
 
-async def collect(outputs: AsyncIterator[GenerationOutput]) -> tuple[str, GenerationOutput]:
-    """Run a generation to the end; return its text and its last output (with the totals)."""
-    parts: list[str] = []
-    last: GenerationOutput | None = None
+async def collect(outputs: AsyncIterator[GenerationOutput]) -> GenerationOutput:
+    """Run a generation to the end; return all its outputs merged into one."""
+    merged: GenerationOutput | None = None
     async for output in outputs:
-        parts.append(output.text)
-        last = output
-    if last is None:
+        if merged is None:
+            merged = output
+        else:
+            merged.merge(output)
+    if merged is None:
         raise APIError(502, "the model returned nothing", "upstream_error", retry_after=1)
-    return "".join(parts), last
+    return merged
