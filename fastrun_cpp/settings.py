@@ -53,6 +53,14 @@ class Settings(BaseSettings):
         ge=16,
         description="Most tokens in one decode step; long prompts are prefilled in chunks of this size.",
     )
+    prompt_cache_mib: int = Field(
+        1024, ge=0, description="Host RAM (MiB) for KV prefixes saved from slots; 0 turns it off."
+    )
+    swa_full: bool = Field(
+        True,
+        description="Keep the full KV of sliding-window layers so their prefixes stay reusable "
+        "(off saves memory on sliding-window models; their prefix hits then mostly miss).",
+    )
     threads: int = Field(default_factory=_physical_cores, ge=1, description="CPU threads for decoding.")
     n_gpu_layers: int = Field(-1, description="Layers to offload to a GPU (-1: all, 0: none).")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")

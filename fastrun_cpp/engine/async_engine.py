@@ -62,6 +62,10 @@ class AsyncEngine:
     def load(self) -> tuple[int, int]:
         return self.engine.load()
 
+    @property
+    def stats(self):
+        return self.engine.stats
+
     def check_prompt(self, n_prompt_tokens: int) -> None:
         self.engine.check_prompt(n_prompt_tokens)
 

@@ -7,6 +7,7 @@ prompt never stalls the streams already running.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections import deque
@@ -17,6 +18,7 @@ import llama_cpp.llama_cpp as llama
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
+from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.request import (
     EngineError,
@@ -26,10 +28,14 @@ from fastrun_cpp.engine.request import (
 )
 from fastrun_cpp.engine.sampling import SamplerChain
 from fastrun_cpp.engine.slot import Slot
+from fastrun_cpp.engine.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
 OutputHandler = Callable[[list[GenerationOutput]], None]
+
+# Prefixes shorter than this are cheaper to recompute than to save and restore.
+MIN_SAVED_TOKENS = 32
 
 
 class PromptTooLongError(EngineError, ValueError):
@@ -42,14 +48,22 @@ class EngineConfig:
     ctx_size: int = 4096  # per slot: prompt plus answer
     batch_size: int = 512  # most tokens in one decode step
     threads: int = 4
+    prompt_cache_mib: int = 1024  # host RAM for saved prefixes; 0 turns that cache off
+    swa_full: bool = True  # keep all sliding-window KV, so prefixes of SWA models stay reusable
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    limit = min(len(a), len(b))
-    index = 0
-    while index < limit and a[index] == b[index]:
-        index += 1
-    return index
+@dataclass
+class EngineStats:
+    """Counters since start; read from other threads without locking (approximate is fine)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not evaluated, from either cache
+    slot_hits: int = 0  # requests that reused a prefix left in their slot
+    host_hits: int = 0  # requests that restored a prefix from the host-RAM cache
+    misses: int = 0
+    host_saves: int = 0
+    host_evictions: int = 0
 
 
 class Engine:
@@ -76,6 +90,7 @@ class Engine:
         # request's output does not depend on what else is in the batch (a unified cache
         # changes reduction order and flips greedy choices).
         params.kv_unified = False
+        params.swa_full = config.swa_full
         params.no_perf = True
         self._ctx = llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
@@ -86,6 +101,8 @@ class Engine:
         self._waiting: deque[GenerationRequest] = deque()
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._clock = 0  # increases every admission; orders slots by recency
+        self._prompt_cache = PromptCache(config.prompt_cache_mib * 2**20)
+        self.stats = EngineStats()
 
         self._lock = threading.Condition()
         self._inbox: list[GenerationRequest] = []
@@ -211,7 +228,9 @@ class Engine:
         slot = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
         sampler = SamplerChain(request.sampling, n_vocab=self.model.n_vocab, penalty_window=self.config.ctx_size)
         sampler.accept_prompt(prompt)
+        source = self._prepare_prefix(slot, prompt)
         reused = self._reuse_prefix(slot, prompt)
+        self._count(request, slot, source if reused else "miss", reused)
         room = self.config.ctx_size - len(prompt)
         max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self._clock += 1
@@ -223,6 +242,44 @@ class Engine:
             token_bytes=self.model.token_bytes,
             admitted_at=self._clock,
         )
+
+    def _prepare_prefix(self, slot: Slot, prompt: list[int]) -> str:
+        """Give the slot the longest cached prefix of `prompt` there is: its own, or one restored
+        from the host cache. What the slot is about to lose is saved to the host cache first.
+        Returns where the prefix comes from, "slot" or "host"."""
+        in_slot = common_prefix_length(slot.cache_tokens, prompt)
+        entry, in_host = self._prompt_cache.longest_prefix(prompt)
+        if entry is not None and self.model.n_swa > 0 and min(in_host, len(prompt) - 1) < len(entry.tokens):
+            # A saved state keeps sliding-window KV only for the last window of its tokens, so
+            # it serves just prompts that continue all of it (the next turn of a chat).
+            entry = None
+        if entry is not None and in_host > in_slot:
+            self._save(slot)
+            return "host" if self._restore(slot, entry) else "slot"
+        if len(slot.cache_tokens) - in_slot >= MIN_SAVED_TOKENS:
+            self._save(slot)
+        return "slot"
+
+    def _save(self, slot: Slot) -> None:
+        tokens = slot.cache_tokens
+        if not self._prompt_cache.enabled or len(tokens) < MIN_SAVED_TOKENS or self._prompt_cache.covers(tokens):
+            return
+        size = llama.llama_state_seq_get_size(self._ctx, slot.seq_id)
+        state = (ctypes.c_uint8 * size)()
+        if llama.llama_state_seq_get_data(self._ctx, state, size, slot.seq_id) == 0:
+            return
+        self.stats.host_saves += 1
+        self.stats.host_evictions += self._prompt_cache.insert(CachedSequence(list(tokens), state))
+
+    def _restore(self, slot: Slot, entry: CachedSequence) -> bool:
+        llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+        slot.forget_cache()
+        if llama.llama_state_seq_set_data(self._ctx, entry.state, entry.nbytes, slot.seq_id) == 0:
+            llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+            return False
+        slot.cache_tokens = list(entry.tokens)
+        self._prompt_cache.touch(entry)
+        return True
 
     def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> int:
         """Drop the slot's KV past the prefix it shares with `prompt`; return that prefix length."""
@@ -237,6 +294,23 @@ class Engine:
             reused = 0
             llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
         return reused
+
+    def _count(self, request: GenerationRequest, slot: Slot, source: str, reused: int) -> None:
+        stats = self.stats
+        stats.requests += 1
+        stats.prompt_tokens += len(request.prompt_tokens)
+        stats.cached_tokens += reused
+        if source == "host":
+            stats.host_hits += 1
+        elif source == "slot":
+            stats.slot_hits += 1
+        else:
+            stats.misses += 1
+        logger.info(
+            "slot %d: %d prompt tokens, %d cached (%s); totals: %d slot hits, %d host hits, %d misses",
+            slot.seq_id, len(request.prompt_tokens), reused, source,
+            stats.slot_hits, stats.host_hits, stats.misses,
+        )
 
     def _step(self) -> list[GenerationOutput]:
         batch = self._batch

@@ -109,6 +109,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         ctx_size=settings.ctx_size,
         batch_size=max(settings.batch_size, settings.slots),
         threads=settings.threads,
+        prompt_cache_mib=settings.prompt_cache_mib,
+        swa_full=settings.swa_full,
     )
 
 

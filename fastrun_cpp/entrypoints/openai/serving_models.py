@@ -28,11 +28,16 @@ class OpenAIServingModels:
             raise model_not_found(model_id)
         return model
 
-    def load(self) -> dict[str, dict[str, int]]:
+    def load(self) -> dict[str, dict[str, object]]:
         load = {}
         for model in self._models.values():
             busy, waiting = model.engine.load()
-            load[model.id] = {"slots": model.engine.slots, "busy_slots": busy, "waiting": waiting}
+            load[model.id] = {
+                "slots": model.engine.slots,
+                "busy_slots": busy,
+                "waiting": waiting,
+                "prompt_cache": vars(model.engine.stats).copy(),
+            }
         return load
 
     def list_models(self) -> ModelList:

@@ -1,0 +1,75 @@
+"""A host-RAM LRU of saved KV sequences, so prefixes outlive the slot that computed them."""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from itertools import count
+
+from fastrun_cpp.engine.tokens import common_prefix_length
+
+
+@dataclass(eq=False)
+class CachedSequence:
+    tokens: list[int]  # the sequence's KV holds exactly these, from position 0
+    state: ctypes.Array  # llama_state_seq_get_data() bytes
+    key: int = field(default_factory=count().__next__)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state)
+
+
+class PromptCache:
+    """Saved sequence states bounded by total bytes; least recently used go first."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[int, CachedSequence] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+    def longest_prefix(self, tokens: list[int]) -> tuple[CachedSequence | None, int]:
+        """The entry sharing the longest prefix with `tokens`, and that prefix's length."""
+        best, best_length = None, 0
+        for entry in self._entries.values():
+            length = common_prefix_length(entry.tokens, tokens)
+            if length > best_length:
+                best, best_length = entry, length
+        return best, best_length
+
+    def covers(self, tokens: list[int]) -> bool:
+        """Whether some entry already holds all of `tokens` (as its own prefix)."""
+        return any(
+            len(entry.tokens) >= len(tokens) and common_prefix_length(entry.tokens, tokens) == len(tokens)
+            for entry in self._entries.values()
+        )
+
+    def touch(self, entry: CachedSequence) -> None:
+        self._entries.move_to_end(entry.key)
+
+    def insert(self, entry: CachedSequence) -> int:
+        """Add an entry, dropping entries it extends and the least recently used until it fits.
+        Returns how many entries were evicted for room."""
+        if entry.nbytes > self.capacity_bytes:
+            return 0
+        for old in [e for e in self._entries.values() if common_prefix_length(e.tokens, entry.tokens) == len(e.tokens)]:
+            self._remove(old)  # a prefix of the new entry: the new one serves all its hits
+        evicted = 0
+        while self.nbytes + entry.nbytes > self.capacity_bytes:
+            self._remove(next(iter(self._entries.values())))
+            evicted += 1
+        self._entries[entry.key] = entry
+        self.nbytes += entry.nbytes
+        return evicted
+
+    def _remove(self, entry: CachedSequence) -> None:
+        del self._entries[entry.key]
+        self.nbytes -= entry.nbytes
