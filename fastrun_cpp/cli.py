@@ -1,10 +1,12 @@
-"""The `fastrun-cpp` command."""
+"""The `fastrun-cpp` command: `serve`, and `keys` to manage API keys."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import typing
 from typing import Any, Sequence
 
 from pydantic import ValidationError
@@ -16,14 +18,19 @@ from fastrun_cpp.settings import Settings
 logger = logging.getLogger("fastrun_cpp")
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+def _add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
     """One flag per setting (`--ctx-size` for FASTRUN_CTX_SIZE); given flags override env vars."""
     for name, field in Settings.model_fields.items():
+        if names is not None and name not in names:
+            continue
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description} [env FASTRUN_{name.upper()}]"
         if field.annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(field.annotation) is list:
+            parser.add_argument(flag, dest=name, nargs="*", default=argparse.SUPPRESS,
+                                metavar=name.upper(), help=help_text)
         else:
             parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
                                 help=help_text)
@@ -35,13 +42,31 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the fastrun API")
     _add_settings_flags(serve)
+
+    keys = commands.add_parser("keys", help="manage API keys (stored hashed in --keys-db)")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="mint a key; it is printed once, as the last line")
+    create.add_argument("--account", required=True)
+    create.add_argument("--pending", action="store_true",
+                        help="create a new account unapproved (its keys are refused until `keys approve`)")
+    listing = key_commands.add_parser("list", help="list keys (never the keys themselves)")
+    listing.add_argument("--account")
+    revoke = key_commands.add_parser("revoke", help="revoke a key by its id (see `keys list`)")
+    revoke.add_argument("key_id", type=int)
+    approve = key_commands.add_parser("approve", help="let an account's keys in")
+    approve.add_argument("account")
+    unapprove = key_commands.add_parser("unapprove", help="refuse an account's keys")
+    unapprove.add_argument("account")
+    for sub in (create, listing, revoke, approve, unapprove):
+        _add_settings_flags(sub, names=("keys_db",))
     return parser
 
 
 def serve(overrides: dict[str, Any]) -> int:
     import uvicorn
 
-    from fastrun_cpp.entrypoints.openai.api_server import build_app
+    from fastrun_cpp.entrypoints.auth import is_loopback
+    from fastrun_cpp.entrypoints.openai.api_server import authenticator_for, build_app
     from fastrun_cpp.logging_config import configure_logging
 
     settings = Settings(**overrides)
@@ -51,13 +76,60 @@ def serve(overrides: dict[str, Any]) -> int:
     except ModelNotFoundError as exc:
         logger.error("%s", exc)
         return 2
+    authenticator = authenticator_for(settings)
+    authenticator.load()
+    if settings.auth and not is_loopback(settings.host) and authenticator.store_is_empty:
+        logger.error(
+            "refusing to serve on %s without API keys: create one with `fastrun-cpp keys create "
+            "--account NAME` (key store %s), or pass --no-auth to serve openly on purpose",
+            settings.host, settings.keys_db,
+        )
+        return 2
+    # uvicorn drains on SIGTERM, then re-raises the signal to whatever handler was there
+    # before; a handler of ours makes that a clean exit (status 0) instead of death by signal.
+    signal.signal(signal.SIGTERM, lambda *_: logger.info("shut down after SIGTERM"))
     uvicorn.run(
-        build_app(settings),
+        build_app(settings, authenticator),
         host=settings.host,
         port=settings.port,
         log_config=None,  # keep the logging configured above
-        timeout_graceful_shutdown=30,
+        access_log=False,  # fastrun_cpp.access writes one JSON line per request instead
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
+    return 0
+
+
+def keys(command: str, args: dict[str, Any]) -> int:
+    from fastrun_cpp.auth import KeyStore, KeyStoreError
+
+    store = KeyStore(Settings(**{k: v for k, v in args.items() if k == "keys_db"}).keys_db)
+    try:
+        if command == "create":
+            info, key = store.create_key(args["account"], approve_new_account=not args["pending"])
+            state = "approved" if info.account_approved else "NOT approved yet (run `keys approve`)"
+            print(f"key {info.id} for account {info.account!r} ({state}); store {store.path}")
+            print("this is the only time the key is shown:")
+            print(key)
+        elif command == "list":
+            rows = store.list_keys(args.get("account"))
+            print(f"{'id':>4}  {'account':20}  {'key':10}  {'state':10}  account")
+            for info in rows:
+                state = "revoked" if info.revoked_at else "active"
+                account = "approved" if info.account_approved else "not approved"
+                print(f"{info.id:>4}  {info.account:20}  {info.display_prefix + '…':10}  {state:10}  {account}")
+        elif command == "revoke":
+            if not store.revoke(args["key_id"]):
+                print(f"no active key with id {args['key_id']}", file=sys.stderr)
+                return 1
+            print(f"revoked key {args['key_id']}")
+        elif command in ("approve", "unapprove"):
+            if not store.set_approved(args["account"], command == "approve"):
+                print(f"no account {args['account']!r}", file=sys.stderr)
+                return 1
+            print(f"account {args['account']!r} {command}d")
+    except KeyStoreError as exc:
+        print(f"fastrun-cpp: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -67,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if command == "serve":
             return serve(args)
+        if command == "keys":
+            return keys(args.pop("keys_command"), args)
     except ValidationError as exc:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])

@@ -29,6 +29,10 @@ def _physical_cores() -> int:
     return max(1, min(usable, len(cores) or usable))
 
 
+def _data_home() -> Path:
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FASTRUN_", extra="ignore")
 
@@ -63,5 +67,30 @@ class Settings(BaseSettings):
     )
     threads: int = Field(default_factory=_physical_cores, ge=1, description="CPU threads for decoding.")
     n_gpu_layers: int = Field(-1, description="Layers to offload to a GPU (-1: all, 0: none).")
+    max_queue: int = Field(
+        64, ge=0, description="Requests that may wait for a slot; beyond that the server answers 429."
+    )
+    request_timeout_s: float = Field(600, gt=0, description="Limit for a request without streaming, seconds.")
+    stream_timeout_s: float = Field(3600, gt=0, description="Limit for a streamed request, seconds.")
+    shutdown_grace_s: float = Field(
+        30, ge=0, description="On SIGTERM, how long running requests may take to finish, seconds."
+    )
+    keys_db: Path = Field(
+        default_factory=lambda: _data_home() / "fastrun-cpp" / "keys.sqlite3",
+        description="SQLite database of API keys (see `fastrun-cpp keys`).",
+    )
+    keys_refresh_s: float = Field(2.0, gt=0, description="How often new and revoked keys are picked up, seconds.")
+    auth: bool = Field(
+        True,
+        description="Check API keys; --no-auth serves without them, even on a public address (keys are ignored).",
+    )
+    metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
+    cors_origins: list[str] = Field(
+        default_factory=list, description="Origins allowed to call the API from browsers (CORS)."
+    )
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt and answer text (off by default).")
+    debug_faults: str = Field(
+        "",
+        description="Fault injection for tests, e.g. 'load-delay=3,decode-fail=2' (never in production).",
+    )

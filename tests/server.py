@@ -41,14 +41,14 @@ class RunningServer:
 
 @contextmanager
 def run_server(*args: str, log_dir: Path, env: dict[str, str] | None = None,
-               startup_timeout: float = 60) -> Iterator[RunningServer]:
+               startup_timeout: float = 60, wait_until: str = "/ready") -> Iterator[RunningServer]:
+    """A server process; by default its own empty key store, and waited for until `/ready`."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     command = [sys.executable, "-m", "fastrun_cpp", "serve", "--port", str(port), *args]
+    environment = {**os.environ, "FASTRUN_KEYS_DB": str(log_dir / f"keys-{port}.sqlite3"), **(env or {})}
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment)
     server = RunningServer(process, f"http://127.0.0.1:{port}/v1", log_path)
     try:
         deadline = time.monotonic() + startup_timeout
@@ -56,7 +56,7 @@ def run_server(*args: str, log_dir: Path, env: dict[str, str] | None = None,
             if process.poll() is not None:
                 raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
             try:
-                if httpx.get(f"{server.root_url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{server.root_url}{wait_until}", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -3,8 +3,9 @@
 Nothing in this package knows about HTTP.
 """
 
-from fastrun_cpp.engine.async_engine import AsyncEngine
-from fastrun_cpp.engine.engine import Engine, EngineConfig
+from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream, RequestTimedOut
+from fastrun_cpp.engine.engine import CapacityError, Engine, EngineConfig, EngineStats, PromptTooLongError
+from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.model import LlamaModel, ModelLoadError
 from fastrun_cpp.engine.request import (
     EngineError,
@@ -16,8 +17,14 @@ from fastrun_cpp.engine.sampling import SamplingParams
 
 __all__ = [
     "AsyncEngine",
+    "CapacityError",
     "Engine",
     "EngineConfig",
+    "EngineStats",
+    "Faults",
+    "PromptTooLongError",
+    "RequestStream",
+    "RequestTimedOut",
     "EngineError",
     "FinishReason",
     "GenerationOutput",

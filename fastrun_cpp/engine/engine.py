@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +19,7 @@ from typing import Callable
 import llama_cpp.llama_cpp as llama
 
 from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
 from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.model import LlamaModel
@@ -36,10 +39,20 @@ OutputHandler = Callable[[list[GenerationOutput]], None]
 
 # Prefixes shorter than this are cheaper to recompute than to save and restore.
 MIN_SAVED_TOKENS = 32
+# What an injected decode failure returns: llama.cpp's "fatal error" range.
+INJECTED_FAILURE = -3
 
 
 class PromptTooLongError(EngineError, ValueError):
     pass
+
+
+class CapacityError(EngineError):
+    """Every slot is busy and the wait queue is full."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__("all slots are busy and the wait queue is full")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class EngineConfig:
     batch_size: int = 512  # most tokens in one decode step
     threads: int = 4
     prompt_cache_mib: int = 1024  # host RAM for saved prefixes; 0 turns that cache off
+    max_queue: int = 64  # requests that may wait for a slot
     swa_full: bool = True  # keep all sliding-window KV, so prefixes of SWA models stay reusable
 
 
@@ -64,6 +78,26 @@ class EngineStats:
     misses: int = 0
     host_saves: int = 0
     host_evictions: int = 0
+    generated_tokens: int = 0
+    decode_failures: int = 0
+
+
+class ThroughputMeter:
+    """Exponentially weighted tokens/s of recent decode steps and tokens per answer."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self._weight = weight
+        self.tokens_per_s = 0.0
+        self.tokens_per_answer = 64.0  # a prior until answers have been seen
+
+    def step(self, tokens: int, seconds: float) -> None:
+        if tokens and seconds > 0:
+            rate = tokens / seconds
+            self.tokens_per_s = rate if self.tokens_per_s == 0 else (
+                self.tokens_per_s + self._weight * (rate - self.tokens_per_s))
+
+    def answer(self, tokens: int) -> None:
+        self.tokens_per_answer += self._weight * (tokens - self.tokens_per_answer)
 
 
 class Engine:
@@ -73,7 +107,13 @@ class Engine:
     scheduler thread; the handler must not block.
     """
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, output_handler: OutputHandler) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: EngineConfig,
+        output_handler: OutputHandler,
+        faults: Faults | None = None,
+    ) -> None:
         if config.batch_size < config.slots:
             raise ValueError("batch_size must be at least the number of slots")
         self.model = model
@@ -103,10 +143,13 @@ class Engine:
         self._clock = 0  # increases every admission; orders slots by recency
         self._prompt_cache = PromptCache(config.prompt_cache_mib * 2**20)
         self.stats = EngineStats()
+        self._throughput = ThroughputMeter()
+        self._faults = faults or Faults()
 
         self._lock = threading.Condition()
         self._inbox: list[GenerationRequest] = []
         self._aborts: set[str] = set()
+        self._outstanding = 0  # requests added and not yet finished (guarded by _lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
 
@@ -129,12 +172,30 @@ class Engine:
             )
 
     def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; raises CapacityError when slots and wait queue are all taken."""
         self.check_prompt(len(request.prompt_tokens))
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
+            if self._outstanding >= self.config.slots + self.config.max_queue:
+                raise CapacityError(self._retry_after_s())
+            self._outstanding += 1
             self._inbox.append(request)
             self._lock.notify()
+
+    def _retry_after_s(self) -> int:
+        """When a slot is likely to be free for one more request, from the current decode rate."""
+        rate = self._throughput.tokens_per_s
+        busy = [slot for slot in self._slots if not slot.is_free]
+        if rate <= 0 or not busy:
+            return 1
+        per_slot = rate / len(busy)
+        expected = self._throughput.tokens_per_answer
+        remaining = sorted(max(1.0, min(slot.max_tokens, expected) - slot.n_generated) for slot in busy)
+        ahead = self._outstanding - len(busy)  # waiting requests: each needs a slot first
+        rounds, position = divmod(max(0, ahead), len(busy))
+        seconds = (remaining[position] + rounds * expected) / per_slot
+        return max(1, math.ceil(seconds))
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -194,6 +255,10 @@ class Engine:
         if not self._unsent:
             return
         outputs, self._unsent = self._unsent, []
+        finished = sum(1 for output in outputs if output.finished)
+        if finished:
+            with self._lock:
+                self._outstanding -= finished
         try:
             self._output_handler(outputs)
         except Exception:
@@ -345,11 +410,28 @@ class Engine:
         # loop while this thread waits in llama_decode without the GIL, instead of competing
         # with it for the GIL while the batch is built.
         self._flush()
-        status = llama.llama_decode(self._ctx, batch.as_llama_batch())
+        started = time.perf_counter()
+        status = INJECTED_FAILURE if self._faults.decode_fails() else llama.llama_decode(self._ctx, batch.as_llama_batch())
         if status != 0:
-            logger.error("llama_decode failed with status %d on a batch of %d tokens", status, batch.size)
-            return self._fail_slots(in_batch, f"llama_decode failed (status {status})")
-        return [self._accept_token(slot, slot.sampler.sample(self._ctx, slot.batch_index)) for slot in sampling]
+            return self._decode_failed(status, in_batch)
+        outputs = [self._accept_token(slot, slot.sampler.sample(self._ctx, slot.batch_index)) for slot in sampling]
+        self._throughput.step(len(sampling), time.perf_counter() - started)
+        return outputs
+
+    def _decode_failed(self, status: int, in_batch: list[Slot]) -> list[GenerationOutput]:
+        """Fail the requests in the batch and reset what they touched; the engine carries on."""
+        self.stats.decode_failures += 1
+        logger.error("llama_decode failed with status %d; failing %d requests", status, len(in_batch))
+        message = f"llama_decode failed (status {status})"
+        if status == 1:  # no room in the KV cache: the batch was not applied
+            return self._fail_slots(in_batch, message)
+        # Fatal: the batch may be half applied anywhere. Fail every active request and start
+        # every slot afresh.
+        outputs = self._fail_active(message)
+        llama.llama_memory_clear(self._memory, True)
+        for slot in self._slots:
+            slot.forget_cache()
+        return outputs
 
     def _accept_token(self, slot: Slot, token: int) -> GenerationOutput:
         slot.n_generated += 1
@@ -380,6 +462,8 @@ class Engine:
         logprobs: list[TokenLogprob] | None,
     ) -> GenerationOutput:
         output = slot.output(text=text, token_ids=token_ids, finish_reason=reason, logprobs=logprobs)
+        self.stats.generated_tokens += slot.n_generated
+        self._throughput.answer(slot.n_generated)
         self._release(slot)
         return output
 

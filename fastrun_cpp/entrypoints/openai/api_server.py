@@ -1,21 +1,32 @@
-"""The FastAPI application: routes under /v1, lifespan that loads the model, error handlers."""
+"""The FastAPI application: /v1 routes, health and metrics, middleware, and a lifespan that
+loads the model in the background so the server answers (503) while it loads."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 
 from fastrun_cpp import __version__
+from fastrun_cpp.auth import KeyStore
 from fastrun_cpp.chat import ChatTemplate
 from fastrun_cpp.default_model import resolve_model
-from fastrun_cpp.engine import AsyncEngine, EngineConfig, LlamaModel
+from fastrun_cpp.engine import AsyncEngine, EngineConfig, Faults, LlamaModel
+from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
+from fastrun_cpp.entrypoints.metrics import ServerMetrics
+from fastrun_cpp.entrypoints.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestContextMiddleware,
+)
 from fastrun_cpp.entrypoints.openai.errors import install_error_handlers
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletion,
@@ -24,7 +35,6 @@ from fastrun_cpp.entrypoints.openai.protocol import (
     CompletionRequest,
     ErrorResponse,
     ModelList,
-    unix_time,
 )
 from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -34,12 +44,11 @@ from fastrun_cpp.settings import Settings
 
 logger = logging.getLogger("fastrun_cpp")
 
+MAX_BODY_BYTES = 64 * 2**20  # the spec's request size limit
+
 router = APIRouter(prefix="/v1")
 
-_ERRORS = {
-    status: {"model": ErrorResponse}
-    for status in (400, 401, 404, 429, 502, 503)
-}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503, 504)}
 
 
 def serving_chat(request: Request) -> OpenAIServingChat:
@@ -54,12 +63,14 @@ def serving_models(request: Request) -> OpenAIServingModels:
     return request.app.state.serving_models
 
 
-async def respond(raw_request: Request, result) -> Response:
+def respond(request: Request, result) -> Response:
     """A finished result as JSON, or a stream as server-sent events (`data: ...` per chunk)."""
     if isinstance(result, AsyncIterator):
         # sse-starlette cancels the iterator when the client disconnects, which aborts the
-        # generation and frees its slot.
-        return EventSourceResponse(result, sep="\n", ping=15)
+        # generation and frees its slot; on SIGTERM a stream gets the grace period to finish.
+        return EventSourceResponse(
+            result, sep="\n", ping=15, shutdown_grace_period=request.app.state.settings.shutdown_grace_s
+        )
     return JSONResponse(result.model_dump(mode="json"))
 
 
@@ -73,7 +84,7 @@ async def create_chat_completion(
         result = await cancel_on_disconnect(raw_request, handler.create_chat_completion(request))
     except ClientDisconnected:
         return Response(status_code=499)
-    return await respond(raw_request, result)
+    return respond(raw_request, result)
 
 
 @router.post("/completions", response_model=Completion, responses=_ERRORS)
@@ -86,7 +97,7 @@ async def create_completion(
         result = await cancel_on_disconnect(raw_request, handler.create_completion(request))
     except ClientDisconnected:
         return Response(status_code=499)
-    return await respond(raw_request, result)
+    return respond(raw_request, result)
 
 
 @router.get("/models", response_model=ModelList, responses=_ERRORS)
@@ -94,13 +105,22 @@ async def list_models(models: Annotated[OpenAIServingModels, Depends(serving_mod
     return models.list_models()
 
 
-health_router = APIRouter()
+health_router = APIRouter(include_in_schema=False)
 
 
-@health_router.get("/health", include_in_schema=False)
+@health_router.get("/health")
 async def health(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> dict:
-    """Liveness, with each model's slot load for operators (and tests)."""
-    return {"status": "ok", "models": models.load()}
+    """Alive (even while models load), with each model's state and slot load."""
+    return {"status": "ok", "models": models.status()}
+
+
+@health_router.get("/ready")
+async def ready(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> JSONResponse:
+    """200 once every configured model is loaded, 503 before (or if one failed)."""
+    status = models.status()
+    if models.all_ready:
+        return JSONResponse({"status": "ready", "models": status})
+    return JSONResponse({"status": "not ready", "models": status}, status_code=503, headers={"Retry-After": "5"})
 
 
 def engine_config(settings: Settings) -> EngineConfig:
@@ -110,55 +130,103 @@ def engine_config(settings: Settings) -> EngineConfig:
         batch_size=max(settings.batch_size, settings.slots),
         threads=settings.threads,
         prompt_cache_mib=settings.prompt_cache_mib,
+        max_queue=settings.max_queue,
         swa_full=settings.swa_full,
     )
 
 
-async def load_model(settings: Settings) -> ServedModel:
-    model_id, path = resolve_model(settings.model)
-    model = await asyncio.to_thread(LlamaModel, path, n_gpu_layers=settings.n_gpu_layers)
-    config = engine_config(settings)
-    if config.ctx_size > model.n_ctx_train:
-        logger.warning(
-            "ctx_size %d exceeds the %d tokens %s was trained on; answers may degrade past that",
-            config.ctx_size, model.n_ctx_train, model_id,
+async def load_model(settings: Settings, served: ServedModel, faults: Faults) -> None:
+    """Load the GGUF and start its engine; marks the model ready, or failed with the reason."""
+    try:
+        if faults.load_delay_s:
+            await asyncio.sleep(faults.load_delay_s)
+        _, path = resolve_model(settings.model)
+        model = await asyncio.to_thread(LlamaModel, path, n_gpu_layers=settings.n_gpu_layers)
+        config = engine_config(settings)
+        if config.ctx_size > model.n_ctx_train:
+            logger.warning(
+                "ctx_size %d exceeds the %d tokens %s was trained on; answers may degrade past that",
+                config.ctx_size, model.n_ctx_train, served.id,
+            )
+        template_source = model.chat_template
+        if settings.chat_template_file is not None:
+            template_source = settings.chat_template_file.read_text(encoding="utf-8")
+        if template_source is None:
+            logger.warning("%s has no chat template; using ChatML", served.id)
+        chat_template = ChatTemplate(template_source, bos_token=model.bos_text, eos_token=model.eos_text)
+        served.ready(AsyncEngine(model, config, faults), chat_template)
+        logger.info(
+            "serving %s (%s): %d slots x %d-token context, batch %d, %d threads",
+            served.id, path, config.slots, config.ctx_size, config.batch_size, config.threads,
         )
-    template_source = model.chat_template
-    if settings.chat_template_file is not None:
-        template_source = settings.chat_template_file.read_text(encoding="utf-8")
-    chat_template = ChatTemplate(template_source, bos_token=model.bos_text, eos_token=model.eos_text)
-    engine = AsyncEngine(model, config)
-    served = ServedModel(
-        id=settings.served_model_name or model_id,
-        engine=engine,
-        chat_template=chat_template,
-        created=unix_time(),
-    )
-    logger.info(
-        "serving %s (%s): %d slots x %d-token context, batch %d, %d threads",
-        served.id, path, config.slots, config.ctx_size, config.batch_size, config.threads,
-    )
-    if template_source is None:
-        logger.warning("%s has no chat template; using ChatML", served.id)
-    return served
+    except Exception as exc:  # a model that cannot load makes the server say 503, not crash
+        logger.exception("could not load %s", served.id)
+        served.failed(str(exc) or type(exc).__name__)
 
 
-def build_app(settings: Settings) -> FastAPI:
+def authenticator_for(settings: Settings) -> Authenticator:
+    return Authenticator(
+        KeyStore(settings.keys_db),
+        allow_open=is_loopback(settings.host),
+        disabled=not settings.auth,
+        refresh_s=settings.keys_refresh_s,
+    )
+
+
+def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:
+    authenticator = authenticator or authenticator_for(settings)
+    faults = Faults.parse(settings.debug_faults)
+    model_id, _ = resolve_model(settings.model)
+    models = OpenAIServingModels([ServedModel(id=settings.served_model_name or model_id)])
+    metrics = ServerMetrics(models.engines) if settings.metrics else None
+    serving_options = dict(
+        metrics=metrics,
+        request_timeout_s=settings.request_timeout_s,
+        stream_timeout_s=settings.stream_timeout_s,
+        log_prompts=settings.log_prompts,
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        served = await load_model(settings)
-        models = OpenAIServingModels([served])
-        app.state.serving_models = models
-        app.state.serving_chat = OpenAIServingChat(models, log_prompts=settings.log_prompts)
-        app.state.serving_completion = OpenAIServingCompletion(models, log_prompts=settings.log_prompts)
+        await authenticator.start()
+        if authenticator.disabled:
+            logger.warning("API keys are OFF (--no-auth): anyone who can reach %s:%d can use it",
+                           settings.host, settings.port)
+        elif authenticator.is_open:
+            logger.warning("NO API KEYS: the key store %s is empty, so this loopback server is open to "
+                           "every local user; create one with `fastrun-cpp keys create --account NAME`",
+                           settings.keys_db)
+        loading = [asyncio.create_task(load_model(settings, served, faults)) for served in models]
         try:
             yield
         finally:
-            await asyncio.to_thread(served.engine.shutdown)
-            served.engine.model.close()
+            for task in loading:
+                task.cancel()
+            await authenticator.stop()
+            for served in models:
+                if served.engine is not None:
+                    await asyncio.to_thread(served.engine.shutdown)
+                    served.engine.model.close()
 
     app = FastAPI(title="fastrun-cpp", version=__version__, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.serving_models = models
+    app.state.serving_chat = OpenAIServingChat(models, **serving_options)
+    app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.include_router(router)
     app.include_router(health_router)
+    if metrics is not None:
+
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics() -> Response:
+            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     install_error_handlers(app)
+    # Added last = outermost: request context, CORS (answers preflights), keys, body size.
+    app.add_middleware(BodyLimitMiddleware, max_body_size=MAX_BODY_BYTES)
+    app.add_middleware(APIKeyMiddleware, authenticator=authenticator)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"])
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app

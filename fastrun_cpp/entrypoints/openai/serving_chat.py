@@ -6,7 +6,7 @@ import logging
 from typing import Any, AsyncIterator
 
 from fastrun_cpp.chat import ChatTemplateError
-from fastrun_cpp.engine import GenerationRequest
+from fastrun_cpp.engine import GenerationRequest, RequestStream
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.logprobs import chat_logprobs
 from fastrun_cpp.entrypoints.openai.protocol import (
@@ -27,6 +27,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     openai_finish_reason,
     sampling_params,
     stop_sequences,
+    stream_error_event,
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
@@ -55,7 +56,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletion | AsyncIterator[str]:
-        served = self.models.get(request.model)
+        served = self.served_model(request.model)
         self._reject_unsupported(request)
         try:
             prompt = served.chat_template.render(
@@ -72,10 +73,11 @@ class OpenAIServingChat(OpenAIServing):
             stop=stop_sequences(request.stop),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         )
+        stream = self.submit(served, generation, streaming=request.stream)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._stream(served, request, generation, include_usage)
-        return await self._complete(served, request, generation)
+            return self._stream(served, request, generation, stream, include_usage)
+        return await self._complete(served, request, generation, stream)
 
     @staticmethod
     def _reject_unsupported(request: ChatCompletionRequest) -> None:
@@ -84,13 +86,13 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("tools are not supported yet")
         if request.response_format is not None and request.response_format.type != "text":
             raise bad_request(f"response_format {request.response_format.type!r} is not supported yet")
-        if request.reasoning_effort not in (None, "none"):
-            raise bad_request("reasoning_effort is not supported by this model")
+        # reasoning_effort: a model that cannot think ignores it (and answers reasoning: null).
 
     async def _complete(
-        self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest
+        self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
+        stream: RequestStream,
     ) -> ChatCompletion:
-        result = await collect(self.generate(served, generation))
+        result = await collect(self.outputs(served, stream))
         logprobs = None
         if generation.logprobs is not None:
             logprobs = chat_logprobs(served.engine.model.token_bytes, result.logprobs or [])
@@ -114,10 +116,10 @@ class OpenAIServingChat(OpenAIServing):
         served: ServedModel,
         request: ChatCompletionRequest,
         generation: GenerationRequest,
+        stream: RequestStream,
         include_usage: bool,
     ) -> AsyncIterator[str]:
         created = unix_time()
-
         token_bytes = served.engine.model.token_bytes
 
         def chunk(delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
@@ -129,14 +131,14 @@ class OpenAIServingChat(OpenAIServing):
         yield chunk(ChatDelta(role="assistant", content=""))
         last = None
         try:
-            async for output in self.generate(served, generation):
+            async for output in self.outputs(served, stream):
                 last = output
                 if output.logprobs:
                     yield chunk(ChatDelta(content=output.text), logprobs=chat_logprobs(token_bytes, output.logprobs))
                 elif output.text:
                     yield chunk(ChatDelta(content=output.text))
         except APIError as exc:
-            yield exc.json()
+            yield stream_error_event(exc)
             return
         assert last is not None
         yield chunk(ChatDelta(), openai_finish_reason(last.finish_reason))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from fastrun_cpp.engine import GenerationOutput, GenerationRequest
+from fastrun_cpp.engine import GenerationOutput, GenerationRequest, RequestStream
 from fastrun_cpp.entrypoints.openai.errors import APIError
 from fastrun_cpp.entrypoints.openai.logprobs import CompletionLogprobsBuilder
 from fastrun_cpp.entrypoints.openai.protocol import (
@@ -21,6 +21,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     openai_finish_reason,
     sampling_params,
     stop_sequences,
+    stream_error_event,
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
@@ -29,7 +30,7 @@ from fastrun_cpp.entrypoints.openai.utils import merge_async_iterators
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Completion | AsyncIterator[str]:
-        served = self.models.get(request.model)
+        served = self.served_model(request.model)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         completion_id = random_id("cmpl")
         sampling = sampling_params(request)
@@ -45,19 +46,27 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for index, prompt in enumerate(prompts)
         ]
+        streams: list[RequestStream] = []
+        try:
+            for generation in generations:
+                streams.append(self.submit(served, generation, streaming=request.stream))
+        except APIError:
+            for stream in streams:  # all prompts are served, or none
+                stream.close()
+            raise
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._stream(served, request, completion_id, generations, include_usage)
-        return await self._complete(served, request, completion_id, generations)
+            return self._stream(served, request, completion_id, streams, include_usage)
+        return await self._complete(served, request, completion_id, streams)
 
     async def _complete(
         self,
         served: ServedModel,
         request: CompletionRequest,
         completion_id: str,
-        generations: list[GenerationRequest],
+        streams: list[RequestStream],
     ) -> Completion:
-        tasks = [asyncio.ensure_future(collect(self.generate(served, g))) for g in generations]
+        tasks = [asyncio.ensure_future(collect(self.outputs(served, stream))) for stream in streams]
         try:
             results = await asyncio.gather(*tasks)
         finally:  # one prompt failed or the client left: stop the others too
@@ -89,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
         served: ServedModel,
         request: CompletionRequest,
         completion_id: str,
-        generations: list[GenerationRequest],
+        streams: list[RequestStream],
         include_usage: bool,
     ) -> AsyncIterator[str]:
         created = unix_time()
@@ -100,10 +109,9 @@ class OpenAIServingCompletion(OpenAIServing):
             ).model_dump_json()
 
         finals: dict[int, GenerationOutput] = {}
-        streams = [self.generate(served, generation) for generation in generations]
-        builders = [CompletionLogprobsBuilder(served.engine.model.token_bytes) for _ in generations]
+        builders = [CompletionLogprobsBuilder(served.engine.model.token_bytes) for _ in streams]
         try:
-            async for index, output in merge_async_iterators(*streams):
+            async for index, output in merge_async_iterators(*(self.outputs(served, s) for s in streams)):
                 if output.text or output.finished or output.logprobs:
                     choice = CompletionChoice(
                         index=index,
@@ -115,7 +123,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if output.finished:
                     finals[index] = output
         except APIError as exc:
-            yield exc.json()
+            yield stream_error_event(exc)
             return
         if include_usage:
             yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)]))

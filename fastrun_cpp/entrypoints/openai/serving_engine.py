@@ -1,14 +1,26 @@
-"""What the chat and completion endpoints share: request -> engine request, outputs -> usage."""
+"""What the chat and completion endpoints share: submitting to the engine, reading its
+outputs with metrics and time limits, usage, and the mapping of engine failures to API errors."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
-from fastrun_cpp.engine import EngineError, FinishReason, GenerationOutput, GenerationRequest, SamplingParams
-from fastrun_cpp.engine.engine import PromptTooLongError
-from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error
+from fastrun_cpp.engine import (
+    CapacityError,
+    EngineError,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    PromptTooLongError,
+    RequestStream,
+    RequestTimedOut,
+    SamplingParams,
+)
+from fastrun_cpp.entrypoints.metrics import ServerMetrics
+from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -16,11 +28,13 @@ from fastrun_cpp.entrypoints.openai.protocol import (
     Usage,
 )
 from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
+from fastrun_cpp.entrypoints.request_context import current_record
 
 logger = logging.getLogger(__name__)
 
 # OpenAI clients send a field's JSON null to mean "the default".
 _SAMPLING_DEFAULTS = SamplingParams()
+AT_CAPACITY = "all backends for this model are at capacity"
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -68,9 +82,27 @@ def usage_of(outputs: list[GenerationOutput]) -> Usage:
 
 
 class OpenAIServing:
-    def __init__(self, models: OpenAIServingModels, *, log_prompts: bool = False) -> None:
+    def __init__(
+        self,
+        models: OpenAIServingModels,
+        *,
+        metrics: ServerMetrics | None = None,
+        request_timeout_s: float = 600,
+        stream_timeout_s: float = 3600,
+        log_prompts: bool = False,
+    ) -> None:
         self.models = models
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+        self.stream_timeout_s = stream_timeout_s
         self.log_prompts = log_prompts
+
+    def served_model(self, model_id: str) -> ServedModel:
+        served = self.models.get(model_id)
+        record = current_record()
+        if record is not None:
+            record.model = model_id
+        return served
 
     async def tokenize(self, served: ServedModel, text: str) -> list[int]:
         # Off the event loop: a long prompt takes milliseconds to tokenize.
@@ -81,15 +113,78 @@ class OpenAIServing:
             raise bad_request(str(exc)) from exc
         return tokens
 
-    async def generate(self, served: ServedModel, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        """The engine's outputs for one request, with engine failures as API errors."""
+    def submit(self, served: ServedModel, request: GenerationRequest, *, streaming: bool) -> RequestStream:
+        """Queue a generation now, so a full server answers 429 before any response starts."""
         if self.log_prompts:
-            logger.info("request %s prompt: %r", request.request_id, served.engine.model.detokenize(request.prompt_tokens))
+            logger.info("request %s prompt: %r", request.request_id,
+                        served.engine.model.detokenize(request.prompt_tokens))
         try:
-            async for output in served.engine.generate(request):
-                yield output
+            stream = served.engine.submit(request)
+        except CapacityError as exc:
+            raise APIError(429, AT_CAPACITY, "rate_limit_error", retry_after=exc.retry_after_s) from exc
+        except PromptTooLongError as exc:
+            raise bad_request(str(exc)) from exc
         except EngineError as exc:
-            raise upstream_error(f"the model failed to answer: {exc}") from exc
+            raise APIError(503, f"the model is not serving: {exc}", "unavailable", retry_after=5) from exc
+        stream.set_deadline(self.stream_timeout_s if streaming else self.request_timeout_s)
+        record = current_record()
+        if record is not None:
+            record.track(stream)
+        return stream
+
+    async def outputs(self, served: ServedModel, stream: RequestStream) -> AsyncIterator[GenerationOutput]:
+        """The engine's outputs, with metrics and usage recorded, engine failures as API
+        errors, and the generation aborted if the reader stops early."""
+        record = current_record()
+        started = record.started if record is not None else time.perf_counter()
+        last_token_at: float | None = None
+        try:
+            async for output in stream:
+                now = time.perf_counter()
+                if output.token_ids:
+                    if last_token_at is None:
+                        self._observe_first_token(served, record, now - started)
+                    elif self.metrics is not None:
+                        gap = (now - last_token_at) / len(output.token_ids)
+                        histogram = self.metrics.inter_token.labels(served.id)
+                        for _ in output.token_ids:
+                            histogram.observe(gap)
+                    last_token_at = now
+                if output.finished:
+                    self._observe_usage(served, record, output)
+                yield output
+        except RequestTimedOut as exc:
+            raise APIError(
+                504, f"the request was stopped at its time limit of {stream.time_limit_s:g} s", "upstream_error"
+            ) from exc
+        except EngineError as exc:
+            raise APIError(502, f"the model failed to answer: {exc}", "upstream_error", retry_after=1) from exc
+        finally:
+            stream.close()
+
+    def _observe_first_token(self, served: ServedModel, record, ttft: float) -> None:
+        if record is not None:
+            record.ttft_s = ttft
+        if self.metrics is not None:
+            self.metrics.ttft.labels(served.id).observe(ttft)
+
+    def _observe_usage(self, served: ServedModel, record, output: GenerationOutput) -> None:
+        if record is not None:
+            record.prompt_tokens += output.prompt_tokens
+            record.cached_tokens += output.cached_tokens
+            record.completion_tokens += output.completion_tokens
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.labels(served.id).inc(output.prompt_tokens)
+            self.metrics.cached_tokens.labels(served.id).inc(output.cached_tokens)
+            self.metrics.generation_tokens.labels(served.id).inc(output.completion_tokens)
+
+
+def stream_error_event(exc: APIError) -> str:
+    """An error inside a stream that has started: one event in the spec's error shape."""
+    record = current_record()
+    if record is not None:
+        record.error_type = exc.error_type
+    return exc.json()
 
 
 async def collect(outputs: AsyncIterator[GenerationOutput]) -> GenerationOutput:

@@ -1,44 +1,84 @@
-"""The models this server serves, and GET /v1/models."""
+"""The models this server serves, their loading state, and GET /v1/models."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
 from fastrun_cpp.chat import ChatTemplate
 from fastrun_cpp.engine import AsyncEngine
-from fastrun_cpp.entrypoints.openai.errors import model_not_found
-from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList
+from fastrun_cpp.entrypoints.openai.errors import APIError, model_not_found
+from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, unix_time
+
+# Retry-After while a model loads, and after it failed (an operator must act).
+LOADING_RETRY_AFTER_S = 5
+FAILED_RETRY_AFTER_S = 60
+
+
+class ModelState(str, enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
 
 
 @dataclass
 class ServedModel:
     id: str
-    engine: AsyncEngine
-    chat_template: ChatTemplate
-    created: int
+    state: ModelState = ModelState.LOADING
+    engine: AsyncEngine | None = None
+    chat_template: ChatTemplate | None = None
+    error: str | None = None
+    created: int = field(default_factory=unix_time)
+
+    def ready(self, engine: AsyncEngine, chat_template: ChatTemplate) -> None:
+        self.engine = engine
+        self.chat_template = chat_template
+        self.state = ModelState.READY
+
+    def failed(self, error: str) -> None:
+        self.error = error
+        self.state = ModelState.FAILED
 
 
 class OpenAIServingModels:
     def __init__(self, models: list[ServedModel]) -> None:
         self._models = {model.id: model for model in models}
 
+    def __iter__(self):
+        return iter(self._models.values())
+
     def get(self, model_id: str) -> ServedModel:
+        """A model ready to serve; 404 for an unknown id, 503 while loading or after a failure."""
         model = self._models.get(model_id)
         if model is None:
             raise model_not_found(model_id)
+        if model.state is ModelState.LOADING:
+            raise APIError(503, f"the model {model_id!r} is still loading", "unavailable",
+                           retry_after=LOADING_RETRY_AFTER_S)
+        if model.state is ModelState.FAILED:
+            raise APIError(503, f"the model {model_id!r} failed to load: {model.error}", "unavailable",
+                           retry_after=FAILED_RETRY_AFTER_S)
         return model
 
-    def load(self) -> dict[str, dict[str, object]]:
-        load = {}
+    @property
+    def all_ready(self) -> bool:
+        return all(model.state is ModelState.READY for model in self._models.values())
+
+    def engines(self) -> list[tuple[str, AsyncEngine]]:
+        return [(m.id, m.engine) for m in self._models.values() if m.engine is not None]
+
+    def status(self) -> dict[str, dict[str, object]]:
+        status: dict[str, dict[str, object]] = {}
         for model in self._models.values():
-            busy, waiting = model.engine.load()
-            load[model.id] = {
-                "slots": model.engine.slots,
-                "busy_slots": busy,
-                "waiting": waiting,
-                "prompt_cache": vars(model.engine.stats).copy(),
-            }
-        return load
+            entry: dict[str, object] = {"state": model.state.value}
+            if model.error:
+                entry["error"] = model.error
+            if model.engine is not None:
+                busy, waiting = model.engine.load()
+                entry.update(slots=model.engine.slots, busy_slots=busy, waiting=waiting,
+                             prompt_cache=vars(model.engine.stats).copy())
+            status[model.id] = entry
+        return status
 
     def list_models(self) -> ModelList:
         return ModelList(

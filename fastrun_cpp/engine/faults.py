@@ -1,0 +1,41 @@
+"""Fault injection, so tests can drive the failure paths of a real server.
+
+`--debug-faults "load-delay=3,decode-fail=2,decode-fail=7"`: delay model loading by 3 s, and
+make the 2nd and 7th `llama_decode` calls fail as a broken backend would.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Faults:
+    load_delay_s: float = 0.0
+    decode_failures: frozenset[int] = frozenset()  # 1-based numbers of the decode calls that fail
+    _decodes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def parse(cls, spec: str) -> Faults:
+        faults = cls()
+        failures = set()
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, _, value = item.partition("=")
+            if name == "load-delay":
+                faults.load_delay_s = float(value)
+            elif name == "decode-fail":
+                failures.add(int(value))
+            else:
+                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail)")
+        faults.decode_failures = frozenset(failures)
+        return faults
+
+    def decode_fails(self) -> bool:
+        """Count a decode call; True when this one is to fail."""
+        if not self.decode_failures:
+            return False
+        with self._lock:
+            self._decodes += 1
+            return self._decodes in self.decode_failures

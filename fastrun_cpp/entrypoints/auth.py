@@ -1,0 +1,103 @@
+"""Bearer-key authentication of every /v1 request, against a hot-reloaded key snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+
+from fastrun_cpp.auth import KEY_PATTERN, ActiveKey, KeySnapshot, KeyStore, KeyStoreError, hash_key
+
+logger = logging.getLogger(__name__)
+
+INVALID_KEY = "invalid or missing API key"
+NOT_APPROVED = "the account of this API key has not been approved yet"
+STORE_UNAVAILABLE = "API keys cannot be checked right now"
+
+
+class AuthError(Exception):
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Authenticator:
+    """Checks keys against a snapshot of the store, refreshed every `refresh_s` seconds so new
+    and revoked keys take effect without a restart.
+
+    With `allow_open` (loopback, or --no-auth) and no key in the store, requests pass without
+    a key; once any key exists, every request needs one (unless `disabled`, i.e. --no-auth).
+    """
+
+    def __init__(self, store: KeyStore, *, allow_open: bool, disabled: bool, refresh_s: float) -> None:
+        self.store = store
+        self.allow_open = allow_open
+        self.disabled = disabled
+        self.refresh_s = refresh_s
+        self._snapshot: KeySnapshot | None = None
+        self._error: str | None = None
+        self._task: asyncio.Task | None = None
+
+    def load(self) -> None:
+        """Read the store now (blocking); remembers the error if it is unreadable."""
+        try:
+            self._snapshot = self.store.snapshot()
+            self._error = None
+        except KeyStoreError as exc:
+            if self._error is None:
+                logger.error("%s", exc)
+            self._error = str(exc)
+
+    @property
+    def store_is_empty(self) -> bool:
+        """The store was read and holds no key at all."""
+        return self._snapshot is not None and not self._snapshot.any_keys
+
+    @property
+    def is_open(self) -> bool:
+        return self.disabled or (self.allow_open and self.store_is_empty)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.load)
+        self._task = asyncio.create_task(self._refresh_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await asyncio.to_thread(self.load)
+
+    def authenticate(self, authorization: str | None) -> ActiveKey | None:
+        """The key's record, None when no key is needed; raises AuthError otherwise."""
+        if self.disabled:
+            return None
+        if self._error is not None or self._snapshot is None:
+            raise AuthError(503, STORE_UNAVAILABLE)
+        if self.is_open:
+            return None
+        scheme, _, key = (authorization or "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not KEY_PATTERN.fullmatch(key):
+            raise AuthError(401, INVALID_KEY)
+        presented = hash_key(key)
+        record = self._snapshot.active.get(presented)
+        # The dict finds the candidate by hash; the final comparison runs in constant time.
+        if record is None or not hmac.compare_digest(record.key_hash, presented):
+            raise AuthError(401, INVALID_KEY)
+        if not record.account_approved:
+            raise AuthError(401, NOT_APPROVED)
+        return record

@@ -1,0 +1,66 @@
+"""Prometheus metrics of the server, on a registry of its own, served at /metrics."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+disable_created_metrics()  # no `_created` series: they double the output and nobody graphs them
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class ServerMetrics:
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, object]]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("fastrun_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
+        self.request_seconds = Histogram(
+            "fastrun_request_duration_seconds", "Time to serve a request, to its last byte.", ["route"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.errors = Counter("fastrun_errors", "Error responses and stream error events by type.", ["type"], registry=r)
+        self.prompt_tokens = Counter("fastrun_prompt_tokens", "Prompt tokens of served requests.", ["model"], registry=r)
+        self.cached_tokens = Counter(
+            "fastrun_cached_prompt_tokens", "Prompt tokens served from the prefix caches.", ["model"], registry=r
+        )
+        self.generation_tokens = Counter("fastrun_generation_tokens", "Generated tokens.", ["model"], registry=r)
+        self.ttft = Histogram(
+            "fastrun_time_to_first_token_seconds", "From arrival to the first generated token.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.inter_token = Histogram(
+            "fastrun_inter_token_latency_seconds", "Gap between consecutive generated tokens.", ["model"],
+            buckets=TOKEN_GAP_BUCKETS, registry=r,
+        )
+        r.register(_EngineCollector(engines))
+
+
+class _EngineCollector(Collector):
+    """Engine state read at scrape time: slots, queue and prefix-cache counters."""
+
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, object]]]) -> None:
+        self._engines = engines
+
+    def collect(self):
+        slots = GaugeMetricFamily("fastrun_slots", "Parallel slots of the model's engine.", labels=["model"])
+        busy = GaugeMetricFamily("fastrun_busy_slots", "Slots serving a request now.", labels=["model"])
+        queue = GaugeMetricFamily("fastrun_queue_depth", "Requests waiting for a slot.", labels=["model"])
+        hits = CounterMetricFamily(
+            "fastrun_prompt_cache_lookups", "Prefix-cache lookups by outcome (slot, host, miss).",
+            labels=["model", "outcome"],
+        )
+        for model_id, engine in self._engines():
+            busy_slots, waiting = engine.load()
+            slots.add_metric([model_id], engine.slots)
+            busy.add_metric([model_id], busy_slots)
+            queue.add_metric([model_id], waiting)
+            stats = engine.stats
+            hits.add_metric([model_id, "slot"], stats.slot_hits)
+            hits.add_metric([model_id, "host"], stats.host_hits)
+            hits.add_metric([model_id, "miss"], stats.misses)
+        yield from (slots, busy, queue, hits)

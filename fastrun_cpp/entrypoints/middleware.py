@@ -1,0 +1,172 @@
+"""ASGI middleware: request ids, the access log and request metrics; API-key checks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fastrun_cpp.entrypoints.auth import AuthError, Authenticator
+from fastrun_cpp.entrypoints.metrics import ServerMetrics
+from fastrun_cpp.entrypoints.openai.errors import APIError
+from fastrun_cpp.entrypoints.request_context import RequestRecord, current_record, set_current_record
+
+access_log = logging.getLogger("fastrun_cpp.access")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"})
+_ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "unavailable"}
+
+
+def error_type_for(status: int) -> str:
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    return "upstream_error" if status >= 500 else "invalid_request_error"
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class RequestContextMiddleware:
+    """Gives each request an id (the client's `X-Request-ID` when it is sane), echoes it,
+    writes one JSON access-log line and records request metrics when the response ends, and
+    aborts any generation the request leaves running."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics | None) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        record = RequestRecord(request_id=given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex)
+        set_current_record(record)
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", record.request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            record.close_streams()
+            self._finish(scope, record, status)
+
+    def _finish(self, scope: Scope, record: RequestRecord, status: int) -> None:
+        duration = time.perf_counter() - record.started
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+        error_type = record.error_type or (error_type_for(status) if status >= 400 else None)
+        if self.metrics is not None:
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.request_seconds.labels(route).observe(duration)
+            if error_type is not None:
+                self.metrics.errors.labels(error_type).inc()
+        line = {
+            "request_id": record.request_id,
+            "method": scope.get("method"),
+            "path": path,
+            "status": status,
+            "duration_ms": round(duration * 1000, 1),
+        }
+        if record.model is not None:
+            line.update(
+                model=record.model,
+                prompt_tokens=record.prompt_tokens,
+                cached_tokens=record.cached_tokens,
+                completion_tokens=record.completion_tokens,
+            )
+        if record.ttft_s is not None:
+            line["ttft_ms"] = round(record.ttft_s * 1000, 1)
+        if record.account is not None:
+            line["account"] = record.account
+        if error_type is not None:
+            line["error_type"] = error_type
+        access_log.info("%s", json.dumps(line))
+
+
+class BodyLimitMiddleware:
+    """Caps request bodies (the spec: 64 MiB) without buffering past the cap.
+
+    A declared Content-Length over the cap is refused before anything is read; a body that
+    grows past it while streaming in (chunked uploads) stops being read at the cap. Both get
+    a 413 in the spec's error shape (Starlette's own limiter answers in plain text).
+    """
+
+    def __init__(self, app: ASGIApp, max_body_size: int) -> None:
+        self.app = app
+        self.max_body_size = max_body_size
+
+    @property
+    def _message(self) -> str:
+        return f"the request body is over the {self.max_body_size // 2**20} MiB limit"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_size:
+            await APIError(413, self._message).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_size:
+                    # Raised inside the app's body read: FastAPI passes HTTP exceptions on to
+                    # the error handlers (anything else there would become a 400).
+                    raise HTTPException(413, self._message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class APIKeyMiddleware:
+    """Checks the bearer key of every /v1 request before its body is read, so unauthenticated
+    clients cannot make the server read (or parse) anything."""
+
+    def __init__(self, app: ASGIApp, authenticator: Authenticator, prefix: str = "/v1") -> None:
+        self.app = app
+        self.authenticator = authenticator
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == self.prefix or path.startswith(self.prefix + "/")):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = self.authenticator.authenticate(_header(scope, b"authorization"))
+        except AuthError as exc:
+            error_type = "authentication_error" if exc.status_code == 401 else "unavailable"
+            api_error = APIError(exc.status_code, exc.message, error_type, retry_after=5 if exc.status_code == 503 else None)
+            response = api_error.response()
+            if exc.status_code == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        if key is not None:
+            record = current_record()
+            if record is not None:
+                record.account = key.account
+        await self.app(scope, receive, send)

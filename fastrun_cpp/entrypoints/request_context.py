@@ -1,0 +1,43 @@
+"""Per-request bookkeeping shared by the middleware and the serving code: the request id,
+what the access log and metrics report, and the engine streams to close when it ends."""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from fastrun_cpp.engine import RequestStream
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    started: float = field(default_factory=time.perf_counter)
+    model: str | None = None
+    account: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    error_type: str | None = None  # also set for errors sent inside a started stream
+    streams: list[RequestStream] = field(default_factory=list)
+
+    def track(self, stream: RequestStream) -> None:
+        self.streams.append(stream)
+
+    def close_streams(self) -> None:
+        """Abort whatever generation this request left running (a client gone, a crash)."""
+        for stream in self.streams:
+            stream.close()
+
+
+_current: ContextVar[RequestRecord | None] = ContextVar("fastrun_request", default=None)
+
+
+def current_record() -> RequestRecord | None:
+    return _current.get()
+
+
+def set_current_record(record: RequestRecord) -> None:
+    _current.set(record)
