@@ -37,6 +37,11 @@ class ServerSpec:
     threads: int
     batch_size: int = 512
 
+    @property
+    def ready_path(self) -> str:
+        # llama-server's /health is 503 until its model is loaded; ours is alive at once.
+        return "/ready" if self.name == "fastrun-cpp" else "/health"
+
     def command(self, port: int, model_path: Path) -> list[str]:
         if self.name == "fastrun-cpp":
             return [sys.executable, "-m", "fastrun_cpp", "serve", "--port", str(port),
@@ -64,7 +69,7 @@ def running(spec: ServerSpec, model_path: Path) -> Iterator[str]:
             if process.poll() is not None:
                 raise RuntimeError(f"{spec.name} exited; see .bench/{spec.name}.log")
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{base}{spec.ready_path}", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

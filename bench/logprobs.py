@@ -37,7 +37,7 @@ def main() -> int:
                 wall, results = asyncio.run(run_level(base_url, args.concurrency, args.concurrency * 2,
                                                       args.max_tokens, WORKLOADS[name]))
                 summary = LevelSummary.of(name, args.concurrency, wall, results)
-                assert summary.failures == 0, f"{name}: {summary.failures} failed requests"
+                assert summary.failures == 0, f"{name}: {[r.error for r in results if not r.ok][:3]}"
                 rates[name].append(summary.tok_per_s)
                 print(f"round {round_index + 1} {name:16s} {summary.tok_per_s:7.1f} tok/s", file=sys.stderr)
     plain = statistics.median(rates["plain"])

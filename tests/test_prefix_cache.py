@@ -149,3 +149,17 @@ def test_five_turn_chats_keep_hitting_with_more_users_than_slots(tmp_path):
         # Every later turn reuses at least the whole previous prompt, though 4 other users
         # went through the 2 slots in between.
         assert hit >= before, hits
+
+
+def test_restoring_an_entry_that_saving_the_slot_evicts(tmp_path):
+    """With room for one saved prefix, saving the slot's content evicts the entry about to be
+    restored: the restore must still happen (and answer right)."""
+    with run_server("--slots", "1", "--ctx-size", "1024", "--prompt-cache-mib", "4", log_dir=tmp_path) as s:
+        client = Client(s.base_url)
+        a, b = document("otters", 6), document("pylons", 6)
+        first_a = client.complete(a)
+        client.complete(b)
+        again = client.complete(a)
+        assert cached(again) == again["usage"]["prompt_tokens"] - 1
+        assert text(again) == text(first_a)
+        assert client.stats()["host_hits"] == 1

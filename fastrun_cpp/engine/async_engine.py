@@ -7,6 +7,7 @@ import logging
 
 from fastrun_cpp.engine.engine import Engine, EngineConfig, EngineStats
 from fastrun_cpp.engine.faults import Faults
+from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarCache
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest
 
@@ -111,6 +112,7 @@ class AsyncEngine:
         self.model = model
         self.engine = Engine(model, config, self._on_outputs, faults)
         self.engine.start()
+        self._grammars = GrammarCache(model)
 
     @property
     def max_context(self) -> int:
@@ -129,6 +131,10 @@ class AsyncEngine:
 
     def check_prompt(self, n_prompt_tokens: int) -> None:
         self.engine.check_prompt(n_prompt_tokens)
+
+    def compile_grammar(self, gbnf: str) -> CompiledGrammar:
+        """A parsed grammar for this model (cached by text); raises GrammarError. Thread-safe."""
+        return self._grammars.compile(gbnf)
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request now (raising CapacityError / PromptTooLongError at once) and return

@@ -29,7 +29,7 @@ from fastrun_cpp.engine.request import (
     GenerationOutput,
     GenerationRequest,
 )
-from fastrun_cpp.engine.sampling import SamplerChain
+from fastrun_cpp.engine.sampling import Candidates, SamplerChain
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.tokens import common_prefix_length
 
@@ -137,6 +137,7 @@ class Engine:
             raise EngineError("llama.cpp could not create a context (out of memory?)")
         self._memory = llama.llama_get_memory(self._ctx)
         self._batch = TokenBatch(config.batch_size)
+        self._candidates = Candidates(model.n_vocab)
         self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
         self._waiting: deque[GenerationRequest] = deque()
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
@@ -291,7 +292,12 @@ class Engine:
         free = [slot for slot in self._slots if slot.is_free]
         # Longest shared prefix wins; ties and misses go to the least recently used slot.
         slot = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
-        sampler = SamplerChain(request.sampling, n_vocab=self.model.n_vocab, penalty_window=self.config.ctx_size)
+        sampler = SamplerChain(
+            request.sampling,
+            n_vocab=self.model.n_vocab,
+            penalty_window=self.config.ctx_size,
+            grammar=request.grammar.instantiate() if request.grammar is not None else None,
+        )
         sampler.accept_prompt(prompt)
         source = self._prepare_prefix(slot, prompt)
         reused = self._reuse_prefix(slot, prompt)
@@ -319,6 +325,8 @@ class Engine:
             # it serves just prompts that continue all of it (the next turn of a chat).
             entry = None
         if entry is not None and in_host > in_slot:
+            # Saving the slot may evict entries; this one is in use (and held here anyway).
+            self._prompt_cache.touch(entry)
             self._save(slot)
             return "host" if self._restore(slot, entry) else "slot"
         if len(slot.cache_tokens) - in_slot >= MIN_SAVED_TOKENS:
@@ -343,7 +351,6 @@ class Engine:
             llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
             return False
         slot.cache_tokens = list(entry.tokens)
-        self._prompt_cache.touch(entry)
         return True
 
     def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> int:
@@ -414,7 +421,10 @@ class Engine:
         status = INJECTED_FAILURE if self._faults.decode_fails() else llama.llama_decode(self._ctx, batch.as_llama_batch())
         if status != 0:
             return self._decode_failed(status, in_batch)
-        outputs = [self._accept_token(slot, slot.sampler.sample(self._ctx, slot.batch_index)) for slot in sampling]
+        outputs = [
+            self._accept_token(slot, slot.sampler.sample(self._ctx, slot.batch_index, self._candidates))
+            for slot in sampling
+        ]
         self._throughput.step(len(sampling), time.perf_counter() - started)
         return outputs
 

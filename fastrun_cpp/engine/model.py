@@ -55,6 +55,10 @@ class LlamaModel:
     def handle(self) -> llama.llama_model_p:
         return self._model
 
+    @property
+    def vocab(self) -> llama.llama_vocab_p:
+        return self._vocab
+
     def metadata(self, key: str) -> str | None:
         size = llama.llama_model_meta_val_str(self._model, key.encode(), None, 0)
         if size < 0:

@@ -53,7 +53,9 @@ class PromptCache:
         )
 
     def touch(self, entry: CachedSequence) -> None:
-        self._entries.move_to_end(entry.key)
+        """Mark as most recently used (if still cached)."""
+        if entry.key in self._entries:
+            self._entries.move_to_end(entry.key)
 
     def insert(self, entry: CachedSequence) -> int:
         """Add an entry, dropping entries it extends and the least recently used until it fits.

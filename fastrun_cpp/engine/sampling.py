@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
 import llama_cpp.llama_cpp as llama
+import numpy as np
+
+MIN_REPETITION_PENALTY = 1e-3
 
 
 @dataclass(frozen=True)
@@ -34,18 +39,66 @@ class SamplingParams:
         )
 
 
-MIN_REPETITION_PENALTY = 1e-3
+class Candidates:
+    """Reusable llama_token_data arrays over the vocabulary, filled from logits with numpy
+    (used only when a grammar constrains sampling; the scheduler thread owns one)."""
+
+    DTYPE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._all = np.zeros(n_vocab, dtype=self.DTYPE)
+        self._one = np.zeros(1, dtype=self.DTYPE)
+        self._all_array = self._array(self._all)
+        self._one_array = self._array(self._one)
+
+    @staticmethod
+    def _array(data: np.ndarray) -> llama.llama_token_data_array:
+        return llama.llama_token_data_array(
+            data=data.ctypes.data_as(llama.llama_token_data_p), size=len(data), selected=-1, sorted=False
+        )
+
+    def fill(self, logits: ctypes.POINTER(ctypes.c_float)):
+        """All tokens with these logits; samplers may reorder and shrink the array in place."""
+        self._all["id"] = self._ids
+        self._all["logit"] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        self._all["p"] = 0.0
+        self._all_array.size = self.n_vocab
+        self._all_array.selected = -1
+        self._all_array.sorted = False
+        return ctypes.byref(self._all_array)
+
+    def selected(self) -> int:
+        return int(self._all["id"][self._all_array.selected])
+
+    def allows(self, grammar: llama.llama_sampler_p, token: int) -> bool:
+        """Whether the grammar, in its current state, accepts `token` next."""
+        self._one[0] = (token, 0.0, 0.0)
+        self._one_array.size = 1
+        self._one_array.selected = -1
+        self._one_array.sorted = False
+        llama.llama_sampler_apply(grammar, ctypes.byref(self._one_array))
+        return math.isfinite(float(self._one["logit"][0]))
 
 
 class SamplerChain:
     """A llama.cpp sampler chain owned by one slot for the life of one request.
 
-    Order (llama.cpp's own): penalties -> top_k -> top_p -> min_p -> temperature -> dist.
-    Temperature 0 replaces the last four with greedy argmax.
+    Order (llama.cpp's own): [grammar] -> penalties -> top_k -> top_p -> min_p -> temperature
+    -> dist. Temperature 0 replaces the last four with greedy argmax.
     """
 
-    def __init__(self, params: SamplingParams, *, n_vocab: int, penalty_window: int) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        n_vocab: int,
+        penalty_window: int,
+        grammar: llama.llama_sampler_p | None = None,
+    ) -> None:
         self.params = params
+        self._grammar = grammar  # owned here, kept out of the chain (see sample())
         self._chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         self._penalties = None
         if params.penalized:
@@ -80,11 +133,30 @@ class SamplerChain:
             for token in tokens:
                 llama.llama_sampler_accept(self._penalties, token)
 
-    def sample(self, ctx: llama.llama_context_p, batch_index: int) -> int:
+    def sample(self, ctx: llama.llama_context_p, batch_index: int, candidates: Candidates) -> int:
         """Pick and accept the next token from the logits at `batch_index` of the last decode."""
-        return llama.llama_sampler_sample(self._chain, ctx, batch_index)
+        if self._grammar is None:
+            return llama.llama_sampler_sample(self._chain, ctx, batch_index)
+        # Masking the whole vocabulary with a grammar costs milliseconds; most tokens the model
+        # picks unconstrained are allowed anyway. So: sample freely, check that one token, and
+        # only if the grammar refuses it, mask everything and sample again (as llama.cpp's
+        # common sampler does).
+        logits = llama.llama_get_logits_ith(ctx, batch_index)
+        llama.llama_sampler_apply(self._chain, candidates.fill(logits))
+        token = candidates.selected()
+        if not candidates.allows(self._grammar, token):
+            array = candidates.fill(logits)
+            llama.llama_sampler_apply(self._grammar, array)
+            llama.llama_sampler_apply(self._chain, array)
+            token = candidates.selected()
+        llama.llama_sampler_accept(self._grammar, token)
+        llama.llama_sampler_accept(self._chain, token)
+        return token
 
     def free(self) -> None:
         if self._chain:
             llama.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar:
+            llama.llama_sampler_free(self._grammar)
+            self._grammar = None

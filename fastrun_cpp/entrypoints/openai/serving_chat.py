@@ -72,6 +72,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens=request.max_tokens or request.max_completion_tokens,
             stop=stop_sequences(request.stop),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            grammar=await self.response_grammar(served, request.response_format),
         )
         stream = self.submit(served, generation, streaming=request.stream)
         if request.stream:
@@ -84,8 +85,6 @@ class OpenAIServingChat(OpenAIServing):
         # Named in the spec but not built yet: refuse rather than silently ignore them.
         if request.tools and request.tool_choice != "none":
             raise bad_request("tools are not supported yet")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise bad_request(f"response_format {request.response_format.type!r} is not supported yet")
         # reasoning_effort: a model that cannot think ignores it (and answers reasoning: null).
 
     async def _complete(

@@ -19,16 +19,19 @@ from fastrun_cpp.engine import (
     RequestTimedOut,
     SamplingParams,
 )
+from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarError
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
+    ResponseFormat,
     Usage,
 )
 from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.structured import SchemaError, base_grammar, schema_to_gbnf
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,22 @@ class OpenAIServing:
         except PromptTooLongError as exc:
             raise bad_request(str(exc)) from exc
         return tokens
+
+    async def response_grammar(self, served: ServedModel, response_format: ResponseFormat | None) -> CompiledGrammar | None:
+        """The grammar that enforces `response_format` (None for plain text); 400 for a schema
+        that is invalid or that a grammar cannot enforce."""
+        if response_format is None or response_format.type == "text":
+            return None
+        try:
+            if response_format.type == "json_object":
+                gbnf = base_grammar("json_object")
+            else:
+                gbnf = await asyncio.to_thread(schema_to_gbnf, response_format.json_schema.schema_)
+            return await asyncio.to_thread(served.engine.compile_grammar, gbnf)
+        except SchemaError as exc:
+            raise bad_request(f"response_format.json_schema.schema: {exc}") from exc
+        except GrammarError as exc:
+            raise bad_request(f"response_format: {exc}") from exc
 
     def submit(self, served: ServedModel, request: GenerationRequest, *, streaming: bool) -> RequestStream:
         """Queue a generation now, so a full server answers 429 before any response starts."""

@@ -1,0 +1,65 @@
+"""The hand-written base grammars in grammars/: each compiles in llama.cpp and constrains a
+real model to what it promises."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fastrun_cpp.default_model import embedded_model_path
+from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarError
+from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.structured import base_grammar
+
+GRAMMARS = sorted(p.stem for p in (Path(__file__).parents[1] / "grammars").glob("*.gbnf"))
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    model = LlamaModel(embedded_model_path())
+    yield model
+    model.close()
+
+
+def test_the_base_grammars_exist():
+    assert {"json", "json_object"} <= set(GRAMMARS)
+
+
+@pytest.mark.parametrize("name", GRAMMARS)
+def test_grammar_compiles(smollm, name):
+    CompiledGrammar(smollm, base_grammar(name))
+
+
+def test_a_broken_grammar_is_reported(smollm):
+    with pytest.raises(GrammarError):
+        CompiledGrammar(smollm, 'root ::= "unterminated')
+
+
+# Prompts the tiny model answers briefly (a rambling answer would hit max_tokens mid-value).
+SHORT_JSON_PROMPTS = [
+    "Give a JSON object with keys name and age for a person named Bob who is 30.",
+    "Reply with a JSON object that has a single key 'answer' with the value 'yes'.",
+]
+
+
+@pytest.mark.parametrize("prompt", SHORT_JSON_PROMPTS + ["What is 2+2? Reply with a JSON number."])
+def test_json_grammar_yields_any_json_value(client, model, prompt):
+    # An empty schema means "any JSON value": the server constrains with grammars/json.gbnf.
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=300,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "any", "schema": {}}},
+    )
+    assert response.choices[0].finish_reason == "stop"
+    json.loads(response.choices[0].message.content)
+
+
+@pytest.mark.parametrize("prompt", SHORT_JSON_PROMPTS + ["What is 2+2? Reply with a JSON number."])
+def test_json_object_grammar_yields_an_object(client, model, prompt):
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=300,
+        temperature=0, response_format={"type": "json_object"},
+    )
+    assert response.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(response.choices[0].message.content), dict)

@@ -1,0 +1,143 @@
+"""Structured outputs: response_format json_object / json_schema, enforced by grammars."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.data.schemas import SCHEMAS
+
+MAX_TOKENS = 400
+
+
+def ask(client, model, schema, prompt, **kwargs):
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt + " Answer in JSON."}],
+        max_tokens=MAX_TOKENS,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1, "seed": 1}, {"temperature": 1, "seed": 2}],
+                         ids=["greedy", "t1-seed1", "t1-seed2"])
+def test_answers_always_validate_and_end(client, model, name, sampling):
+    schema, prompt = SCHEMAS[name]
+    response = ask(client, model, schema, prompt, **sampling)
+    choice = response.choices[0]
+    answer = json.loads(choice.message.content)
+    jsonschema.validate(answer, schema)
+    assert choice.finish_reason == "stop", choice.message.content
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1, "seed": 3}])
+@pytest.mark.parametrize("prompt", [
+    "Give a JSON object with keys name and age for a person named Bob who is 30.",
+    "Return a JSON object describing the weather today.",
+])
+def test_json_object_mode(client, model, prompt, sampling):
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS,
+        response_format={"type": "json_object"}, **sampling,
+    )
+    assert response.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+def test_text_mode_is_unconstrained(client, model):
+    plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=10, temperature=0)
+    text = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=10, temperature=0, response_format={"type": "text"})
+    assert text.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_streamed_json_equals_the_non_streamed_answer(client, model):
+    schema, prompt = SCHEMAS["order_nested"]
+    full = ask(client, model, schema, prompt, temperature=0).choices[0].message.content
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt + " Answer in JSON."}], max_tokens=MAX_TOKENS,
+        temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == full
+    jsonschema.validate(json.loads(streamed), schema)
+
+
+def test_seed_reproduces_constrained_answers(client, model):
+    schema, prompt = SCHEMAS["person"]
+    first = ask(client, model, schema, prompt, temperature=1.2, seed=77).choices[0].message.content
+    second = ask(client, model, schema, prompt, temperature=1.2, seed=77).choices[0].message.content
+    assert first == second
+
+
+def test_stop_still_applies(client, model):
+    schema, prompt = SCHEMAS["person"]
+    full = ask(client, model, schema, prompt, temperature=0).choices[0].message.content
+    cut = ask(client, model, schema, prompt, temperature=0, stop=['"age"']).choices[0]
+    assert cut.message.content == full[: full.index('"age"')]
+    assert cut.finish_reason == "stop"
+
+
+def test_max_tokens_cuts_with_length(client, model):
+    schema, prompt = SCHEMAS["person"]
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=5, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )
+    assert response.choices[0].finish_reason == "length"
+
+
+class Ingredient(BaseModel):
+    name: str = Field(max_length=30)
+    grams: int = Field(ge=1, le=5000)
+
+
+class Recipe(BaseModel):
+    dish: str = Field(max_length=40)
+    ingredients: list[Ingredient] = Field(min_length=1, max_length=4)
+
+
+def test_openai_sdk_parse_helper(client, model):
+    completion = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Give me a simple pancake recipe."}],
+        response_format=Recipe, max_tokens=MAX_TOKENS, temperature=0,
+    )
+    recipe = completion.choices[0].message.parsed
+    assert isinstance(recipe, Recipe) and recipe.ingredients
+
+
+@pytest.mark.parametrize(
+    "schema, mentions",
+    [
+        ({"type": "nonsense"}, "invalid JSON schema"),
+        ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}, "$ref"),
+        ({"type": "integer", "multipleOf": 5}, "multipleOf"),
+        ({"type": "string", "format": "phone-number"}, "phone-number"),
+        ({"not": {"type": "string"}}, "'not'"),
+        ({"type": "integer", "minimum": 10, "maximum": 5}, "bounds"),
+        ({"type": "number", "maximum": 2.5}, "whole numbers"),
+    ],
+)
+def test_unenforceable_or_invalid_schemas_are_400(http, model, schema, mentions):
+    response = http.post("/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    })
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert mentions in error["message"]
+
+
+def test_missing_json_schema_is_400(http, model):
+    response = http.post("/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}})
+    assert response.status_code == 400
+    assert "json_schema" in response.json()["error"]["message"]
