@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 from pathlib import Path
 
 from pydantic import Field, FilePath
@@ -47,6 +48,12 @@ class Settings(BaseSettings):
     )
     chat_template_file: FilePath | None = Field(
         None, description="A Jinja chat template file to use instead of the one in the GGUF."
+    )
+    tool_parser: Literal["hermes", "fallback", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None, description="Tool-call format of the model; chosen from its chat template when unset."
+    )
+    reasoning_parser: Literal["think", "harmony"] | None = Field(
+        None, description="Reasoning format of the model; chosen from its chat template when unset."
     )
     slots: int = Field(4, ge=1, le=256, description="Parallel sequences decoded together.")
     ctx_size: int = Field(

@@ -132,9 +132,9 @@ class AsyncEngine:
     def check_prompt(self, n_prompt_tokens: int) -> None:
         self.engine.check_prompt(n_prompt_tokens)
 
-    def compile_grammar(self, gbnf: str) -> CompiledGrammar:
+    def compile_grammar(self, gbnf: str, lazy_patterns: tuple[str, ...] = ()) -> CompiledGrammar:
         """A parsed grammar for this model (cached by text); raises GrammarError. Thread-safe."""
-        return self._grammars.compile(gbnf)
+        return self._grammars.compile(gbnf, lazy_patterns)
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request now (raising CapacityError / PromptTooLongError at once) and return

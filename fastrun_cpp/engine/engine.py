@@ -310,7 +310,7 @@ class Engine:
             reused=reused,
             max_tokens=max_tokens,
             sampler=sampler,
-            token_bytes=self.model.token_bytes,
+            token_bytes=self.model.token_bytes_special if request.render_special_tokens else self.model.token_bytes,
             admitted_at=self._clock,
         )
 

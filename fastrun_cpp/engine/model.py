@@ -45,6 +45,11 @@ class LlamaModel:
         self.token_bytes: list[bytes] = [
             self._piece(token, special=False) for token in range(self.n_vocab)
         ]
+        # The same with control tokens spelled out, for parsers that read markers such as
+        # Mistral's [TOOL_CALLS] or gpt-oss's <|channel|>.
+        self.token_bytes_special: list[bytes] = [
+            self._piece(token, special=True) for token in range(self.n_vocab)
+        ]
         self.eog_token_ids: frozenset[int] = frozenset(
             token for token in range(self.n_vocab) if llama.llama_vocab_is_eog(self._vocab, token)
         )

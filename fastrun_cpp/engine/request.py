@@ -30,6 +30,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; N: the sampled token's logprob and the N most likely
     grammar: CompiledGrammar | None = None  # constrains every generated token
+    render_special_tokens: bool = False  # spell out control tokens in the text (for parsers)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jsonschema
 from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
@@ -334,3 +334,40 @@ def _same_length(low: str, high: str) -> list[str]:
     if high[1:] != "9" * n:
         out += [f'"{high[0]}" {rest}' for rest in _same_length("0" * n, high[1:])]
     return out
+
+
+# ------------------------------------------------------------------ tool calls
+
+def tool_calls_gbnf(
+    functions: list[tuple[str, dict[str, Any]]],
+    call_rule: Callable[[str, str], str],
+    calls_rule: Callable[[str], str],
+) -> str:
+    """A grammar of tool calls: `call_rule(name_literal, arguments_rule)` writes one call in
+    the model's format, `calls_rule(call)` how many there are. Each function's arguments
+    follow its `parameters` schema (checked like a response_format schema)."""
+    if not functions:
+        raise SchemaError("no functions to call")
+    order: dict[str, int] = {}
+    for _, parameters in functions:
+        order.update({k: v + len(order) for k, v in _property_order(parameters).items() if k not in order})
+    converter = _Converter(order)
+    alternatives = []
+    for index, (name, parameters) in enumerate(functions):
+        try:
+            jsonschema.validators.validator_for(parameters, default=jsonschema.Draft202012Validator).check_schema(parameters)
+        except jsonschema.SchemaError as exc:
+            raise SchemaError(f"function {name!r}: invalid parameters schema: {exc.message}") from exc
+        _check_enforceable(parameters, f"function {name!r}")
+        try:
+            resolved = converter.resolve_refs(parameters, f"tool-{index}")
+            arguments_rule = converter.visit(resolved, f"fn{index}-args")
+        except SchemaError:
+            raise
+        except (AssertionError, KeyError, ValueError, TypeError, RecursionError) as exc:
+            raise SchemaError(f"function {name!r}: the parameters cannot be turned into a grammar: {exc}") from exc
+        name_literal = converter._format_literal(name)[1:-1]  # escaped, without the quotes
+        alternatives.append(converter._add_rule(f"fn{index}-call", call_rule(f'"{name_literal}"', arguments_rule)))
+    call = converter._add_rule("call", " | ".join(alternatives))
+    converter._add_rule("root", calls_rule(call))
+    return converter.format_grammar()

@@ -40,6 +40,7 @@ from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.openai.utils import ClientDisconnected, cancel_on_disconnect
+from fastrun_cpp.parsers import select_reasoning_parser, select_tool_parser
 from fastrun_cpp.settings import Settings
 
 logger = logging.getLogger("fastrun_cpp")
@@ -154,10 +155,13 @@ async def load_model(settings: Settings, served: ServedModel, faults: Faults) ->
         if template_source is None:
             logger.warning("%s has no chat template; using ChatML", served.id)
         chat_template = ChatTemplate(template_source, bos_token=model.bos_text, eos_token=model.eos_text)
-        served.ready(AsyncEngine(model, config, faults), chat_template)
+        tool_parser = select_tool_parser(template_source, settings.tool_parser)
+        reasoning_parser = select_reasoning_parser(template_source, settings.reasoning_parser)
+        served.ready(AsyncEngine(model, config, faults), chat_template, tool_parser, reasoning_parser)
         logger.info(
-            "serving %s (%s): %d slots x %d-token context, batch %d, %d threads",
+            "serving %s (%s): %d slots x %d-token context, batch %d, %d threads; tool calls: %s, reasoning: %s",
             served.id, path, config.slots, config.ctx_size, config.batch_size, config.threads,
+            tool_parser.name, reasoning_parser.name if reasoning_parser else "none",
         )
     except Exception as exc:  # a model that cannot load makes the server say 503, not crash
         logger.exception("could not load %s", served.id)

@@ -224,7 +224,7 @@ class ChatCompletionRequest(RequestModel):
 
 
 class ChatResponseMessage(ResponseModel):
-    omit_if_none = frozenset({"reasoning", "tool_calls"})
+    omit_if_none = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning: str | None = None
@@ -247,12 +247,28 @@ class ChatCompletion(ResponseModel):
     usage: Usage
 
 
+class FunctionCallDelta(ResponseModel):
+    omit_if_none = frozenset({"name"})
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(ResponseModel):
+    """A piece of a streamed tool call: id, type and name on its first delta, then arguments."""
+
+    omit_if_none = frozenset({"id", "type"})
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(ResponseModel):
     omit_if_none = frozenset({"role", "content", "reasoning", "tool_calls"})
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatCompletionChunkChoice(ResponseModel):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fastrun_cpp.chat import ChatTemplate
 from fastrun_cpp.engine import AsyncEngine
+from fastrun_cpp.parsers import ReasoningParser, ToolParser
 from fastrun_cpp.entrypoints.openai.errors import APIError, model_not_found
 from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, unix_time
 
@@ -27,12 +28,22 @@ class ServedModel:
     state: ModelState = ModelState.LOADING
     engine: AsyncEngine | None = None
     chat_template: ChatTemplate | None = None
+    tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None  # None: the model cannot think
     error: str | None = None
     created: int = field(default_factory=unix_time)
 
-    def ready(self, engine: AsyncEngine, chat_template: ChatTemplate) -> None:
+    def ready(
+        self,
+        engine: AsyncEngine,
+        chat_template: ChatTemplate,
+        tool_parser: ToolParser,
+        reasoning_parser: ReasoningParser | None,
+    ) -> None:
         self.engine = engine
         self.chat_template = chat_template
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.state = ModelState.READY
 
     def failed(self, error: str) -> None:

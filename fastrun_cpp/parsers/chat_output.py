@@ -1,0 +1,75 @@
+"""Split a chat answer, streamed or whole, into reasoning, content and tool calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastrun_cpp.parsers.reasoning import ReasoningParser
+from fastrun_cpp.parsers.tool_calls import ParsedToolCall, ToolCallDelta, ToolCallStreamer, ToolParser
+
+
+@dataclass
+class ChatOutputDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+@dataclass
+class ChatOutput:
+    reasoning: str | None
+    content: str
+    tool_calls: list[tuple[str, ParsedToolCall]]  # (id, call)
+
+
+class ChatOutputParser:
+    """Feed it the generated text as it grows; it says what each part gained. Fed the whole
+    text once with `final=True`, it gives the non-streamed answer - the same one the deltas
+    add up to."""
+
+    def __init__(
+        self,
+        *,
+        reasoning: ReasoningParser | None = None,
+        starts_in_reasoning: bool = False,
+        tools: ToolParser | None = None,
+    ) -> None:
+        self._reasoning = reasoning
+        self._starts_in_reasoning = starts_in_reasoning
+        self._tools = ToolCallStreamer(tools) if tools is not None else None
+        self._text = ""
+        self._reasoning_sent = 0
+        self._reasoning_text = ""
+        self._content_sent = 0
+        self._content = ""
+
+    def feed(self, delta: str, *, final: bool = False) -> ChatOutputDelta:
+        self._text += delta
+        if self._reasoning is not None:
+            split = self._reasoning.split(self._text, starts_in_reasoning=self._starts_in_reasoning, final=final)
+            reasoning_text, content_text = split.reasoning, split.content
+        else:
+            reasoning_text, content_text = "", self._text
+        out = ChatOutputDelta(reasoning=reasoning_text[self._reasoning_sent:])
+        self._reasoning_sent = max(self._reasoning_sent, len(reasoning_text))
+        self._reasoning_text = reasoning_text
+        if self._tools is not None:
+            out.content, out.tool_calls = self._tools.update(content_text, final=final)
+            self._content += out.content
+        else:
+            out.content = content_text[self._content_sent:]
+            self._content_sent = max(self._content_sent, len(content_text))
+            self._content = content_text
+        return out
+
+    def result(self) -> ChatOutput:
+        """The answer after the final feed."""
+        calls: list[tuple[str, ParsedToolCall]] = []
+        if self._tools is not None:
+            ids = self._tools.call_ids
+            calls = [(ids[i], call) for i, call in enumerate(self._tools.last.calls) if call.complete and i < len(ids)]
+        reasoning = self._reasoning_text if self._reasoning is not None and self._reasoning_text else None
+        return ChatOutput(reasoning=reasoning, content=self._content, tool_calls=calls)
