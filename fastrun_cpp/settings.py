@@ -41,8 +41,14 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     model: str = Field(
         DEFAULT_MODEL_ID,
-        description="Model to serve: a path to a GGUF file or the id of the embedded default model.",
+        description="Model to serve: a GGUF path, the embedded default model's id, or a Hugging Face "
+        "repository (owner/name or owner/name:file.gguf), pulled into the HF cache.",
     )
+    models_file: FilePath | None = Field(
+        None, description="A TOML registry of models to serve (see models/registry.example.toml); "
+        "replaces --model and the per-model settings.",
+    )
+    replicas: int = Field(1, ge=1, le=64, description="Engines serving the model (prefix-aware routing).")
     served_model_name: str | None = Field(
         None, description="Model id clients send; defaults to the model's id or GGUF file name."
     )

@@ -29,13 +29,10 @@ def hold_stream(base_url: str, started: threading.Event, stop: threading.Event) 
     """Stream a long answer until told to stop (occupies a slot or a queue place)."""
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{base_url}/completions", json={**COUNTING, "stream": True}) as response:
-            lines = response.iter_lines()
-            for line in lines:
-                if line.startswith("data:"):
-                    started.set()
-                    break
-            else:
-                started.set()
+            lines = response.iter_lines()  # kept referenced: a dropped iterator closes the stream
+            while not next(lines).startswith("data:"):
+                pass
+            started.set()
             stop.wait(30)
 
 

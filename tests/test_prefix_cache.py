@@ -31,7 +31,7 @@ class Client:
 
     def stats(self) -> dict:
         health = httpx.get(f"{self.base_url.removesuffix('/v1')}/health").json()
-        return health["models"][self.model]["prompt_cache"]
+        return health["models"][self.model]["stats"]
 
 
 def cached(response: dict) -> int:

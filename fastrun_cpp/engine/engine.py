@@ -42,6 +42,18 @@ MIN_SAVED_TOKENS = 32
 # What an injected decode failure returns: llama.cpp's "fatal error" range.
 INJECTED_FAILURE = -3
 
+_FLASH_ATTN = {
+    "auto": llama.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+_CACHE_TYPES = {
+    "f32": llama.GGML_TYPE_F32, "f16": llama.GGML_TYPE_F16, "bf16": 30,  # GGML_TYPE_BF16, not exported
+    "q8_0": llama.GGML_TYPE_Q8_0,
+    "q4_0": llama.GGML_TYPE_Q4_0, "q4_1": llama.GGML_TYPE_Q4_1, "q5_0": llama.GGML_TYPE_Q5_0,
+    "q5_1": llama.GGML_TYPE_Q5_1,
+}
+
 
 class PromptTooLongError(EngineError, ValueError):
     pass
@@ -64,6 +76,9 @@ class EngineConfig:
     prompt_cache_mib: int = 1024  # host RAM for saved prefixes; 0 turns that cache off
     max_queue: int = 64  # requests that may wait for a slot
     swa_full: bool = True  # keep all sliding-window KV, so prefixes of SWA models stay reusable
+    flash_attn: str = "auto"  # auto / on / off
+    cache_type_k: str = "f16"  # KV cache data types
+    cache_type_v: str = "f16"
 
 
 @dataclass
@@ -80,6 +95,9 @@ class EngineStats:
     host_evictions: int = 0
     generated_tokens: int = 0
     decode_failures: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0  # whole scheduler steps
+    decode_seconds: float = 0.0  # of which inside llama_decode (the rest is Python and sampling)
 
 
 class ThroughputMeter:
@@ -131,6 +149,9 @@ class Engine:
         # changes reduction order and flips greedy choices).
         params.kv_unified = False
         params.swa_full = config.swa_full
+        params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
+        params.type_k = _CACHE_TYPES[config.cache_type_k]
+        params.type_v = _CACHE_TYPES[config.cache_type_v]
         params.no_perf = True
         self._ctx = llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
@@ -212,6 +233,18 @@ class Engine:
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
+
+    @property
+    def outstanding(self) -> int:
+        """Requests queued or running (for routing; approximate)."""
+        return self._outstanding
+
+    def cached_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` this engine already holds, in a slot or in the
+        host cache (for routing; read without stopping the scheduler, so approximate)."""
+        in_slots = max((common_prefix_length(list(slot.cache_tokens), tokens) for slot in self._slots), default=0)
+        _, in_host = self._prompt_cache.longest_prefix(tokens)
+        return max(in_slots, in_host)
 
     def load(self) -> tuple[int, int]:
         """(busy slots, waiting requests), approximately."""
@@ -385,6 +418,13 @@ class Engine:
         )
 
     def _step(self) -> list[GenerationOutput]:
+        step_started = time.perf_counter()
+        outputs = self._decode_step()
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - step_started
+        return outputs
+
+    def _decode_step(self) -> list[GenerationOutput]:
         batch = self._batch
         batch.clear()
         in_batch: list[Slot] = []
@@ -419,6 +459,7 @@ class Engine:
         self._flush()
         started = time.perf_counter()
         status = INJECTED_FAILURE if self._faults.decode_fails() else llama.llama_decode(self._ctx, batch.as_llama_batch())
+        self.stats.decode_seconds += time.perf_counter() - started
         if status != 0:
             return self._decode_failed(status, in_batch)
         outputs = [

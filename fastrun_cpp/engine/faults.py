@@ -1,7 +1,8 @@
 """Fault injection, so tests can drive the failure paths of a real server.
 
 `--debug-faults "load-delay=3,decode-fail=2,decode-fail=7"`: delay model loading by 3 s, and
-make the 2nd and 7th `llama_decode` calls fail as a broken backend would.
+make the 2nd and 7th `llama_decode` calls fail as a broken backend would. `decode-fail=1@0`
+targets replica 0 of a pool only.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ class Faults:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def parse(cls, spec: str) -> Faults:
+    def parse(cls, spec: str, *, replica: int = 0) -> Faults:
         faults = cls()
         failures = set()
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, _, value = item.partition("=")
+            value, _, target = value.partition("@")
+            if target and int(target) != replica:
+                continue
             if name == "load-delay":
                 faults.load_delay_s = float(value)
             elif name == "decode-fail":

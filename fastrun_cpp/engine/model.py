@@ -17,6 +17,19 @@ class ModelLoadError(Exception):
     pass
 
 
+_SPLIT_MODES = {
+    "none": llama.LLAMA_SPLIT_MODE_NONE,
+    "layer": llama.LLAMA_SPLIT_MODE_LAYER,
+    "row": llama.LLAMA_SPLIT_MODE_ROW,
+}
+
+
+def gpu_offload_available() -> bool:
+    """Whether this llama.cpp build has a GPU backend."""
+    init_backend()
+    return bool(llama.llama_supports_gpu_offload())
+
+
 class LlamaModel:
     """Weights and vocabulary of one GGUF file.
 
@@ -24,11 +37,25 @@ class LlamaModel:
     any thread while a context decodes on another.
     """
 
-    def __init__(self, path: Path, *, n_gpu_layers: int = -1) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        n_gpu_layers: int = -1,
+        main_gpu: int = 0,
+        split_mode: str = "layer",
+        tensor_split: list[float] | None = None,
+    ) -> None:
         init_backend()
         self.path = Path(path)
         params = llama.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 2**31 - 1
+        params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 2**31 - 1  # -1: all
+        params.main_gpu = main_gpu
+        params.split_mode = _SPLIT_MODES[split_mode]
+        if tensor_split:
+            # Kept alive with the model: llama.cpp reads it while loading.
+            self._tensor_split = (ctypes.c_float * llama.llama_max_devices())(*tensor_split)
+            params.tensor_split = self._tensor_split
         self._model = llama.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import count
@@ -28,6 +29,8 @@ class PromptCache:
         self.capacity_bytes = capacity_bytes
         self.nbytes = 0
         self._entries: OrderedDict[int, CachedSequence] = OrderedDict()
+        # The scheduler thread changes the cache; routers on other threads look into it.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -39,7 +42,9 @@ class PromptCache:
     def longest_prefix(self, tokens: list[int]) -> tuple[CachedSequence | None, int]:
         """The entry sharing the longest prefix with `tokens`, and that prefix's length."""
         best, best_length = None, 0
-        for entry in self._entries.values():
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in entries:
             length = common_prefix_length(entry.tokens, tokens)
             if length > best_length:
                 best, best_length = entry, length
@@ -47,29 +52,34 @@ class PromptCache:
 
     def covers(self, tokens: list[int]) -> bool:
         """Whether some entry already holds all of `tokens` (as its own prefix)."""
+        with self._lock:
+            entries = list(self._entries.values())
         return any(
             len(entry.tokens) >= len(tokens) and common_prefix_length(entry.tokens, tokens) == len(tokens)
-            for entry in self._entries.values()
+            for entry in entries
         )
 
     def touch(self, entry: CachedSequence) -> None:
         """Mark as most recently used (if still cached)."""
-        if entry.key in self._entries:
-            self._entries.move_to_end(entry.key)
+        with self._lock:
+            if entry.key in self._entries:
+                self._entries.move_to_end(entry.key)
 
     def insert(self, entry: CachedSequence) -> int:
         """Add an entry, dropping entries it extends and the least recently used until it fits.
         Returns how many entries were evicted for room."""
         if entry.nbytes > self.capacity_bytes:
             return 0
-        for old in [e for e in self._entries.values() if common_prefix_length(e.tokens, entry.tokens) == len(e.tokens)]:
-            self._remove(old)  # a prefix of the new entry: the new one serves all its hits
-        evicted = 0
-        while self.nbytes + entry.nbytes > self.capacity_bytes:
-            self._remove(next(iter(self._entries.values())))
-            evicted += 1
-        self._entries[entry.key] = entry
-        self.nbytes += entry.nbytes
+        with self._lock:
+            for old in [e for e in self._entries.values()
+                        if common_prefix_length(e.tokens, entry.tokens) == len(e.tokens)]:
+                self._remove(old)  # a prefix of the new entry: the new one serves all its hits
+            evicted = 0
+            while self.nbytes + entry.nbytes > self.capacity_bytes:
+                self._remove(next(iter(self._entries.values())))
+                evicted += 1
+            self._entries[entry.key] = entry
+            self.nbytes += entry.nbytes
         return evicted
 
     def _remove(self, entry: CachedSequence) -> None:

@@ -114,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
         generation = GenerationRequest(
             request_id=random_id("chatcmpl"),
             prompt_tokens=await self.tokenize(served, prompt),
-            sampling=sampling_params(request),
+            sampling=sampling_params(request, served),
             max_tokens=request.max_tokens or request.max_completion_tokens,
             stop=stop_sequences(request.stop),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,

@@ -33,7 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
         served = self.served_model(request.model)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         completion_id = random_id("cmpl")
-        sampling = sampling_params(request)
+        sampling = sampling_params(request, served)
         stop = stop_sequences(request.stop)
         generations = [
             GenerationRequest(

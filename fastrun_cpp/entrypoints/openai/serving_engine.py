@@ -40,10 +40,17 @@ _SAMPLING_DEFAULTS = SamplingParams()
 AT_CAPACITY = "all backends for this model are at capacity"
 
 
-def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, served: ServedModel) -> SamplingParams:
+    """The request's sampling values; what it leaves out (or sends as null) comes from the
+    model's configured defaults, else OpenAI's."""
+    model_defaults = served.sampling_defaults
+
     def pick(name: str):
-        value = getattr(request, name)
-        return getattr(_SAMPLING_DEFAULTS, name) if value is None else value
+        for source in (request, model_defaults):
+            value = getattr(source, name)
+            if value is not None:
+                return value
+        return getattr(_SAMPLING_DEFAULTS, name)
 
     seed = request.seed
     if seed is not None:

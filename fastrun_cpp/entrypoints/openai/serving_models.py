@@ -6,8 +6,9 @@ import enum
 from dataclasses import dataclass, field
 
 from fastrun_cpp.chat import ChatTemplate
-from fastrun_cpp.engine import AsyncEngine
+from fastrun_cpp.engine.pool import EnginePool
 from fastrun_cpp.parsers import ReasoningParser, ToolParser
+from fastrun_cpp.registry import ModelConfig, SamplingDefaults
 from fastrun_cpp.entrypoints.openai.errors import APIError, model_not_found
 from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, unix_time
 
@@ -25,17 +26,22 @@ class ModelState(str, enum.Enum):
 @dataclass
 class ServedModel:
     id: str
+    config: ModelConfig | None = None
     state: ModelState = ModelState.LOADING
-    engine: AsyncEngine | None = None
+    engine: EnginePool | None = None
     chat_template: ChatTemplate | None = None
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None  # None: the model cannot think
     error: str | None = None
     created: int = field(default_factory=unix_time)
 
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self.config.defaults if self.config is not None else SamplingDefaults()
+
     def ready(
         self,
-        engine: AsyncEngine,
+        engine: EnginePool,
         chat_template: ChatTemplate,
         tool_parser: ToolParser,
         reasoning_parser: ReasoningParser | None,
@@ -75,7 +81,7 @@ class OpenAIServingModels:
     def all_ready(self) -> bool:
         return all(model.state is ModelState.READY for model in self._models.values())
 
-    def engines(self) -> list[tuple[str, AsyncEngine]]:
+    def engines(self) -> list[tuple[str, EnginePool]]:
         return [(m.id, m.engine) for m in self._models.values() if m.engine is not None]
 
     def status(self) -> dict[str, dict[str, object]]:
@@ -87,7 +93,9 @@ class OpenAIServingModels:
             if model.engine is not None:
                 busy, waiting = model.engine.load()
                 entry.update(slots=model.engine.slots, busy_slots=busy, waiting=waiting,
-                             prompt_cache=vars(model.engine.stats).copy())
+                             stats=vars(model.engine.stats).copy())
+                if model.engine.replicas > 1:
+                    entry["replicas"] = model.engine.replica_load()
             status[model.id] = entry
         return status
 

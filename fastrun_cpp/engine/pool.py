@@ -1,0 +1,186 @@
+"""A pool of engine replicas serving one model (one per GPU, several per GPU, or several on
+the CPU): among the replicas with a free slot (all of them if none has one), requests go to the
+one that already holds the longest prefix of their prompt, else to the least loaded; a replica
+that fails is taken out for a while and what it failed is retried on another."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream, RequestTimedOut
+from fastrun_cpp.engine.engine import CapacityError, EngineStats
+from fastrun_cpp.engine.grammar import CompiledGrammar
+from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+FAILED_REPLICA_COOLDOWN_S = 30.0
+
+
+class _Replica:
+    def __init__(self, index: int, engine: AsyncEngine) -> None:
+        self.index = index
+        self.engine = engine
+        self.down_until = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def take_out(self) -> None:
+        self.down_until = time.monotonic() + FAILED_REPLICA_COOLDOWN_S
+
+
+class PoolStream:
+    """A request's outputs from whichever replica serves it. If a replica fails the request
+    before it produced any token, the request moves to another healthy replica."""
+
+    def __init__(self, pool: EnginePool, request: GenerationRequest, replica: _Replica, inner: RequestStream) -> None:
+        self._pool = pool
+        self._request = request
+        self._replica = replica
+        self._inner = inner
+        self._tried = {replica.index}
+        self._produced = False
+        self.time_limit_s: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self._inner.finished
+
+    def set_deadline(self, seconds: float) -> None:
+        self.time_limit_s = seconds
+        self._inner.set_deadline(seconds)
+
+    def __aiter__(self) -> PoolStream:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        while True:
+            try:
+                output = await self._inner.__anext__()
+            except RequestTimedOut:
+                raise
+            except EngineError:
+                if self._produced:
+                    raise
+                self._replica.take_out()
+                logger.warning("replica %d failed %s; trying another", self._replica.index, self.request_id)
+                retry = self._pool.retry(self._request, exclude=self._tried)
+                if retry is None:
+                    raise
+                self._replica, self._inner = retry
+                self._tried.add(self._replica.index)
+                if self.time_limit_s is not None:
+                    self._inner.set_deadline(self.time_limit_s)
+                continue
+            if output.token_ids:
+                self._produced = True
+            return output
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class EnginePool:
+    """The face of a model's engines; the serving layer sees the same interface as one
+    AsyncEngine."""
+
+    def __init__(self, engines: list[AsyncEngine]) -> None:
+        if not engines:
+            raise ValueError("a pool needs at least one engine")
+        self._replicas = [_Replica(i, engine) for i, engine in enumerate(engines)]
+
+    # ------------------------------------------------------------------ what one engine offers
+
+    @property
+    def model(self) -> LlamaModel:
+        return self._replicas[0].engine.model
+
+    @property
+    def replicas(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def slots(self) -> int:
+        return sum(r.engine.slots for r in self._replicas)
+
+    @property
+    def max_context(self) -> int:
+        return self._replicas[0].engine.max_context
+
+    @property
+    def stats(self) -> EngineStats:
+        total = EngineStats()
+        for replica in self._replicas:
+            for field in dataclasses.fields(EngineStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(replica.engine.stats, field.name))
+        return total
+
+    def load(self) -> tuple[int, int]:
+        busy = waiting = 0
+        for replica in self._replicas:
+            b, w = replica.engine.load()
+            busy, waiting = busy + b, waiting + w
+        return busy, waiting
+
+    def replica_load(self) -> list[dict[str, object]]:
+        return [
+            {"busy_slots": r.engine.load()[0], "waiting": r.engine.load()[1], "healthy": r.healthy}
+            for r in self._replicas
+        ]
+
+    def check_prompt(self, n_prompt_tokens: int) -> None:
+        self._replicas[0].engine.check_prompt(n_prompt_tokens)
+
+    def compile_grammar(self, gbnf: str, lazy_patterns: tuple[str, ...] = ()) -> CompiledGrammar:
+        return self._replicas[0].engine.compile_grammar(gbnf, lazy_patterns)
+
+    def submit(self, request: GenerationRequest) -> PoolStream | RequestStream:
+        replica, stream = self._submit(request, exclude=set())
+        if len(self._replicas) == 1:
+            return stream
+        return PoolStream(self, request, replica, stream)
+
+    def retry(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream] | None:
+        try:
+            return self._submit(request, exclude=exclude)
+        except EngineError:
+            return None
+
+    def shutdown(self) -> None:
+        for replica in self._replicas:
+            replica.engine.shutdown()
+
+    # ------------------------------------------------------------------ routing
+
+    def _submit(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream]:
+        candidates = [r for r in self._replicas if r.index not in exclude and r.healthy]
+        if not candidates:
+            candidates = [r for r in self._replicas if r.index not in exclude]  # all down: try anyway
+        if not candidates:
+            raise EngineError("no replica left to serve the request")
+        prompt = request.prompt_tokens
+
+        def rank(replica: _Replica) -> tuple:
+            engine = replica.engine.engine
+            # A replica that can start the request now beats one where it would wait; among
+            # those, the longest cached prefix wins, then the lightest load.
+            waits = engine.outstanding >= engine.config.slots
+            return (waits, -engine.cached_prefix(prompt), engine.outstanding, replica.index)
+
+        ranked = sorted(candidates, key=rank)
+        retry_after = None
+        for replica in ranked:
+            try:
+                return replica, replica.engine.submit(request)
+            except CapacityError as exc:  # this one is full: the next may not be
+                retry_after = exc.retry_after_s if retry_after is None else min(retry_after, exc.retry_after_s)
+        raise CapacityError(retry_after or 1)

@@ -1,0 +1,159 @@
+"""The models a server serves: a TOML registry (`--models-file`), or the one model given by
+`--model` and friends. Weights are never part of it: sources are paths, the embedded default
+model, or Hugging Face Hub files."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fastrun_cpp.default_model import DEFAULT_MODEL_ID, ModelNotFoundError, embedded_model_path
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HubSource(StrictModel):
+    repo: str
+    file: str | None = None  # the repository's only GGUF when unset
+    revision: str | None = None
+
+
+class GpuOptions(StrictModel):
+    """llama.cpp's offload settings; ignored on a build without a GPU backend."""
+
+    n_gpu_layers: int = -1  # -1: all layers
+    main_gpu: int = 0
+    split_mode: Literal["none", "layer", "row"] = "layer"
+    tensor_split: list[float] | None = None  # share of the model per GPU
+    flash_attn: Literal["auto", "on", "off"] = "auto"
+    cache_type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] = "f16"
+    cache_type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] = "f16"
+
+
+class SamplingDefaults(StrictModel):
+    """Per-model defaults for what a request leaves out (OpenAI's otherwise)."""
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=1000)
+    min_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, ge=0, le=2)
+
+
+class ModelConfig(StrictModel):
+    id: str
+    path: Path | None = None  # a local GGUF
+    hub: HubSource | None = None  # or a Hub file (pulled at startup into the HF cache)
+    slots: int = Field(4, ge=1, le=256)
+    ctx_size: int = Field(4096, ge=64)
+    batch_size: int = Field(512, ge=16)
+    threads: int | None = None  # the server's --threads when unset
+    replicas: int = Field(1, ge=1, le=64)  # engines serving this model (prefix-aware routing)
+    gpus: list[int] | None = None  # one replica per listed GPU (overrides `replicas`)
+    gpu: GpuOptions = Field(default_factory=GpuOptions)
+    prompt_cache_mib: int = Field(1024, ge=0)
+    max_queue: int = Field(64, ge=0)
+    swa_full: bool = True
+    chat_template_file: Path | None = None
+    tool_parser: Literal["hermes", "fallback", "llama3_json", "mistral", "pythonic"] | None = None
+    reasoning_parser: Literal["think", "harmony"] | None = None
+    defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path is not None and self.hub is not None:
+            raise ValueError(f"model {self.id!r}: give either path or hub, not both")
+        if self.path is None and self.hub is None and self.id != DEFAULT_MODEL_ID:
+            raise ValueError(f"model {self.id!r} needs a path or a hub source")
+        return self
+
+    @property
+    def replica_count(self) -> int:
+        return len(self.gpus) if self.gpus else self.replicas
+
+    def resolve_path(self) -> Path:
+        """The local GGUF, pulling it from the Hub first if needed (blocking)."""
+        if self.path is not None:
+            if not self.path.expanduser().is_file():
+                raise ModelNotFoundError(f"model {self.id!r}: no file {self.path}")
+            return self.path.expanduser().resolve()
+        if self.hub is not None:
+            from fastrun_cpp.hub import pull
+
+            return pull(self.hub.repo, self.hub.file, revision=self.hub.revision)
+        return embedded_model_path()
+
+
+class Registry(StrictModel):
+    models: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Registry:
+        ids = [model.id for model in self.models]
+        duplicates = {i for i in ids if ids.count(i) > 1}
+        if duplicates:
+            raise ValueError(f"model ids must be unique: {', '.join(sorted(duplicates))}")
+        return self
+
+
+def load_registry(path: Path) -> Registry:
+    with open(path, "rb") as file:
+        data = tomllib.load(file)
+    registry = Registry.model_validate(data)
+    base = path.resolve().parent  # relative paths in the file are relative to it
+    for model in registry.models:
+        if model.path is not None and not model.path.expanduser().is_absolute():
+            model.path = base / model.path
+        if model.chat_template_file is not None and not model.chat_template_file.is_absolute():
+            model.chat_template_file = base / model.chat_template_file
+    return registry
+
+
+def _looks_like_a_path(value: str) -> bool:
+    repo = value.partition(":")[0]
+    return value.startswith(("/", ".", "~")) or repo.endswith(".gguf") or repo.count("/") != 1
+
+
+def model_from_settings(settings) -> ModelConfig:
+    """The one model of a server started without --models-file: `--model` is the embedded
+    default's id, a GGUF path, or a Hub repository (`owner/name` or `owner/name:file.gguf`)."""
+    common = dict(
+        slots=settings.slots,
+        ctx_size=settings.ctx_size,
+        batch_size=settings.batch_size,
+        replicas=settings.replicas,
+        gpu=GpuOptions(n_gpu_layers=settings.n_gpu_layers),
+        prompt_cache_mib=settings.prompt_cache_mib,
+        max_queue=settings.max_queue,
+        swa_full=settings.swa_full,
+        chat_template_file=settings.chat_template_file,
+        tool_parser=settings.tool_parser,
+        reasoning_parser=settings.reasoning_parser,
+    )
+    source = settings.model
+    if source == DEFAULT_MODEL_ID:
+        return ModelConfig(id=settings.served_model_name or source, path=embedded_model_path(), **common)
+    path = Path(source).expanduser()
+    if path.is_file():
+        return ModelConfig(id=settings.served_model_name or path.stem, path=path.resolve(), **common)
+    if _looks_like_a_path(source):
+        raise ModelNotFoundError(
+            f"model {source!r} is not a GGUF file, the embedded model ({DEFAULT_MODEL_ID}), "
+            "or a Hub repository (owner/name[:file.gguf])"
+        )
+    repo, _, filename = source.partition(":")
+    return ModelConfig(id=settings.served_model_name or source, hub=HubSource(repo=repo, file=filename or None),
+                       **common)
+
+
+def registry_from_settings(settings) -> Registry:
+    if settings.models_file is not None:
+        return load_registry(settings.models_file)
+    return Registry(models=[model_from_settings(settings)])
