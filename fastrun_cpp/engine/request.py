@@ -56,7 +56,8 @@ class GenerationOutput:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(later.logprobs)
         self.finish_reason = later.finish_reason
         self.prompt_tokens = later.prompt_tokens
         self.cached_tokens = later.cached_tokens

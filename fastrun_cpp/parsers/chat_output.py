@@ -45,8 +45,12 @@ class ChatOutputParser:
         self._reasoning_text = ""
         self._content_sent = 0
         self._content = ""
+        self._plain: list[str] = []
 
     def feed(self, delta: str, *, final: bool = False) -> ChatOutputDelta:
+        if self._reasoning is None and self._tools is None:
+            self._plain.append(delta)  # plain text: nothing to parse
+            return ChatOutputDelta(content=delta)
         self._text += delta
         if self._reasoning is not None:
             split = self._reasoning.split(self._text, starts_in_reasoning=self._starts_in_reasoning, final=final)
@@ -72,4 +76,5 @@ class ChatOutputParser:
             ids = self._tools.call_ids
             calls = [(ids[i], call) for i, call in enumerate(self._tools.last.calls) if call.complete and i < len(ids)]
         reasoning = self._reasoning_text if self._reasoning is not None and self._reasoning_text else None
-        return ChatOutput(reasoning=reasoning, content=self._content, tool_calls=calls)
+        content = "".join(self._plain) if self._plain else self._content
+        return ChatOutput(reasoning=reasoning, content=content, tool_calls=calls)

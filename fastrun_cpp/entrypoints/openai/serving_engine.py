@@ -4,6 +4,7 @@ outputs with metrics and time limits, usage, and the mapping of engine failures 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator
@@ -215,12 +216,17 @@ def stream_error_event(exc: APIError) -> str:
 
 async def collect(outputs: AsyncIterator[GenerationOutput]) -> GenerationOutput:
     """Run a generation to the end; return all its outputs merged into one."""
-    merged: GenerationOutput | None = None
-    async for output in outputs:
-        if merged is None:
-            merged = output
-        else:
-            merged.merge(output)
-    if merged is None:
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list | None = None
+    last: GenerationOutput | None = None
+    async for output in outputs:  # joined once at the end: long answers stay linear
+        texts.append(output.text)
+        token_ids.extend(output.token_ids)
+        if output.logprobs is not None:
+            logprobs = logprobs if logprobs is not None else []
+            logprobs.extend(output.logprobs)
+        last = output
+    if last is None:
         raise APIError(502, "the model returned nothing", "upstream_error", retry_after=1)
-    return merged
+    return dataclasses.replace(last, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
