@@ -69,12 +69,14 @@ def system_prompt_body(index: int) -> dict:
 async def shared_system_prompt(base_url: str, requests: int = 6) -> dict:
     """The same ~1500-token system prompt, one request after another: TTFT and cached tokens."""
     results = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    # A fresh connection per request: llama-server may close a kept-alive one after a stream.
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for index in range(requests):
             body = system_prompt_body(index)
             start = time.perf_counter()
             cached = None
             ttft = None
+            prompt_tokens = None
             async with client.stream("POST", f"{base_url}/chat/completions", json=body) as response:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: {"):
@@ -159,8 +161,11 @@ def main() -> int:
                           f"TTFT p50 {summary.ttft_p50 * 1000:7.0f} ms  failed {summary.failures}", file=sys.stderr)
                 wall, results = asyncio.run(run_level(base_url, 8, 16, args.max_tokens, schema_body))
                 record.setdefault("json_schema_c8", []).append(LevelSummary.of(name, 8, wall, results))
-                record.setdefault("shared_prompt", []).append(asyncio.run(shared_system_prompt(base_url)))
-                record.setdefault("burst", []).append(asyncio.run(burst(base_url)))
+                for key, workload in (("shared_prompt", shared_system_prompt), ("burst", burst)):
+                    try:
+                        record.setdefault(key, []).append(asyncio.run(workload(base_url)))
+                    except httpx.HTTPError as exc:  # reported as a failure, not as speed
+                        record.setdefault(key, []).append({"error": f"{type(exc).__name__}: {exc}"})
 
     report = render(names, levels, runs, args)
     print(report)
@@ -194,14 +199,20 @@ def render(names: list[str], levels: list[int], runs: dict, args) -> str:
               "| server | prompt tokens | cold TTFT ms | warm TTFT p50 ms | reported cached_tokens (warm) |",
               "|---|---|---|---|---|"]
     for name in names:
-        last = runs[name]["shared_prompt"][-1]
-        cold = statistics.median(r["cold_ttft_ms"] for r in runs[name]["shared_prompt"] if r["cold_ttft_ms"])
-        warm = statistics.median(r["warm_ttft_ms_p50"] for r in runs[name]["shared_prompt"] if r["warm_ttft_ms_p50"])
-        lines.append(f"| {name} | {last['prompt_tokens']} | {cold:.0f} | {warm:.0f} | {last['warm_cached_tokens']} |")
+        good = [r for r in runs[name]["shared_prompt"] if "error" not in r and r["cold_ttft_ms"] and r["warm_ttft_ms_p50"]]
+        if not good:
+            lines.append(f"| {name} | failed: {runs[name]['shared_prompt'][-1].get('error')} | | | |")
+            continue
+        cold = statistics.median(r["cold_ttft_ms"] for r in good)
+        warm = statistics.median(r["warm_ttft_ms_p50"] for r in good)
+        lines.append(f"| {name} | {good[-1]['prompt_tokens']} | {cold:.0f} | {warm:.0f} | {good[-1]['warm_cached_tokens']} |")
     lines += ["", "Burst: 64 requests at once (24-token answers) against 8 slots:", "",
               "| server | responses | latency p50 s | latency p99 s | wall s |", "|---|---|---|---|---|"]
     for name in names:
         b = runs[name]["burst"][-1]
+        if "error" in b:
+            lines.append(f"| {name} | failed: {b['error']} | | | |")
+            continue
         lines.append(f"| {name} | {b['statuses']} | {b['latency_p50_s']:.1f} | {b['latency_p99_s']:.1f} | "
                      f"{b['wall_s']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -106,7 +106,7 @@ class RequestResult:
     ttft: float = 0.0
     duration: float = 0.0
     completion_tokens: int = 0
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     error: str = ""
 
 
@@ -137,6 +137,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, body: dict) -> R
                 result.error = f"HTTP {response.status_code}"
                 return result
             done = False
+            finish_reason = None
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -151,14 +152,19 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, body: dict) -> R
                 if chunk.get("usage"):
                     result.completion_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
+                    finish_reason = choice.get("finish_reason") or finish_reason
                     if choice.get("delta", {}).get("content"):
                         now = time.perf_counter() - start
                         if not result.token_times:
                             result.ttft = now
                         result.token_times.append(now)
-            result.ok = done
+            if not result.completion_tokens:  # a server without stream usage: one token a chunk
+                result.completion_tokens = len(result.token_times)
+            result.ok = done and finish_reason in ("stop", "length")
             if not done:
                 result.error = "stream ended without [DONE]"
+            elif not result.ok:
+                result.error = "truncated: the stream ended without a finish_reason"
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.duration = time.perf_counter() - start
@@ -230,3 +236,40 @@ def median_summary(summaries: list[LevelSummary]) -> LevelSummary:
         statistics.median(s.itl_p99 for s in summaries),
         sum(s.failures for s in summaries), sum(s.requests for s in summaries),
     )
+
+
+def ab_workloads(description: str, workloads: dict[str, dict | None]) -> int:
+    """Command line of an A/B bench: the workloads (extra request fields; the first is the
+    baseline) stream chat on one fastrun-cpp server, alternating every round; prints a table of
+    median aggregate tok/s and each one's ratio to the baseline."""
+    import argparse
+    import statistics
+
+    from fastrun_cpp.default_model import embedded_model_path
+    from fastrun_cpp.settings import _physical_cores
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    spec = ServerSpec("fastrun-cpp", slots=args.concurrency, ctx_size=2048, threads=_physical_cores())
+    rates: dict[str, list[float]] = {name: [] for name in workloads}
+    with running(spec, embedded_model_path()) as base_url:
+        asyncio.run(run_level(base_url, 1, 1, 8))  # warm-up
+        for round_index in range(args.rounds):
+            names = list(workloads) if round_index % 2 == 0 else list(reversed(workloads))
+            for name in names:
+                wall, results = asyncio.run(run_level(base_url, args.concurrency, args.concurrency * 2,
+                                                      args.max_tokens, workloads[name]))
+                summary = LevelSummary.of(name, args.concurrency, wall, results)
+                if summary.failures:
+                    raise SystemExit(f"{name}: failed requests: {[r.error for r in results if not r.ok][:3]}")
+                rates[name].append(summary.tok_per_s)
+                print(f"round {round_index + 1} {name:20s} {summary.tok_per_s:7.1f} tok/s", file=sys.stderr)
+    baseline = statistics.median(rates[next(iter(workloads))])
+    print(f"\n| workload (c={args.concurrency}) | agg tok/s (median of {args.rounds}) | ratio |\n|---|---|---|")
+    for name, values in rates.items():
+        rate = statistics.median(values)
+        print(f"| {name} | {rate:.1f} | {rate / baseline:.2f}x |")
+    return 0

@@ -46,7 +46,7 @@ def tiny_queue(tmp_path_factory):
 def test_full_slots_and_queue_answer_429_with_retry_after(tiny_queue):
     server = tiny_queue
     stop = threading.Event()
-    running, queued = threading.Event(), threading.Event()
+    running = threading.Event()
     holders = [threading.Thread(target=hold_stream, args=(server.base_url, running, stop))]
     holders[0].start()
     assert running.wait(30)

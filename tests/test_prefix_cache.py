@@ -145,7 +145,7 @@ def test_five_turn_chats_keep_hitting_with_more_users_than_slots(tmp_path):
                 if u == 0:
                     hits.append((response["usage"]["prompt_tokens"], cached(response)))
     previous_prompt = [prompt for prompt, _ in hits[:-1]]
-    for (prompt, hit), before in zip(hits[1:], previous_prompt):
+    for (_, hit), before in zip(hits[1:], previous_prompt):
         # Every later turn reuses at least the whole previous prompt, though 4 other users
         # went through the 2 slots in between.
         assert hit >= before, hits

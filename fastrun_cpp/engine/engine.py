@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import llama_cpp.llama_cpp as llama
+import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.faults import Faults
@@ -39,6 +40,8 @@ OutputHandler = Callable[[list[GenerationOutput]], None]
 
 # Prefixes shorter than this are cheaper to recompute than to save and restore.
 MIN_SAVED_TOKENS = 32
+_BYTES = ctypes.POINTER(ctypes.c_uint8)
+
 # What an injected decode failure returns: llama.cpp's "fatal error" range.
 INJECTED_FAILURE = -3
 
@@ -362,7 +365,12 @@ class Engine:
             self._prompt_cache.touch(entry)
             self._save(slot)
             return "host" if self._restore(slot, entry) else "slot"
-        if len(slot.cache_tokens) - in_slot >= MIN_SAVED_TOKENS:
+        lost = len(slot.cache_tokens) - in_slot
+        # Save when the slot goes to a different conversation (it would lose more than it
+        # keeps). A related prompt - the same long system prompt, the next turn - keeps most of
+        # it, and copying the whole sequence out for a short tail would cost the request more
+        # time than a later hit on that tail could save.
+        if lost >= MIN_SAVED_TOKENS and lost > in_slot:
             self._save(slot)
         return "slot"
 
@@ -371,8 +379,8 @@ class Engine:
         if not self._prompt_cache.enabled or len(tokens) < MIN_SAVED_TOKENS or self._prompt_cache.covers(tokens):
             return
         size = llama.llama_state_seq_get_size(self._ctx, slot.seq_id)
-        state = (ctypes.c_uint8 * size)()
-        if llama.llama_state_seq_get_data(self._ctx, state, size, slot.seq_id) == 0:
+        state = np.empty(size, dtype=np.uint8)  # not zero-filled: it is written over at once
+        if llama.llama_state_seq_get_data(self._ctx, state.ctypes.data_as(_BYTES), size, slot.seq_id) == 0:
             return
         self.stats.host_saves += 1
         self.stats.host_evictions += self._prompt_cache.insert(CachedSequence(list(tokens), state))
@@ -380,7 +388,7 @@ class Engine:
     def _restore(self, slot: Slot, entry: CachedSequence) -> bool:
         llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
         slot.forget_cache()
-        if llama.llama_state_seq_set_data(self._ctx, entry.state, entry.nbytes, slot.seq_id) == 0:
+        if llama.llama_state_seq_set_data(self._ctx, entry.state.ctypes.data_as(_BYTES), entry.nbytes, slot.seq_id) == 0:
             llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
             return False
         slot.cache_tokens = list(entry.tokens)

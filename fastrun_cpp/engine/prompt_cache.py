@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import count
+
+import numpy as np
 
 from fastrun_cpp.engine.tokens import common_prefix_length
 
@@ -14,12 +15,12 @@ from fastrun_cpp.engine.tokens import common_prefix_length
 @dataclass(eq=False)
 class CachedSequence:
     tokens: list[int]  # the sequence's KV holds exactly these, from position 0
-    state: ctypes.Array  # llama_state_seq_get_data() bytes
+    state: np.ndarray  # llama_state_seq_get_data() bytes
     key: int = field(default_factory=count().__next__)
 
     @property
     def nbytes(self) -> int:
-        return len(self.state)
+        return self.state.nbytes
 
 
 class PromptCache:

@@ -39,7 +39,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
-from fastrun_cpp.parsers import ReasoningParser, ToolFunction, ToolParser
+from fastrun_cpp.parsers import ToolFunction, ToolParser
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
 from fastrun_cpp.parsers.tool_calls import FallbackToolParser, UnsupportedToolChoice
 from fastrun_cpp.structured import SchemaError, tool_calls_gbnf
@@ -104,12 +104,13 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletion | AsyncIterator[str]:
         served = self.served_model(request.model)
         tool_parser = self._tool_parser(served, request)
-        reasoning_parser = served.reasoning_parser
+        forced_calls = tool_parser is not None and request.tool_choice not in (None, "auto")
+        # Forced calls are constrained from the first token: no room for thinking.
+        reasoning_parser = None if forced_calls else served.reasoning_parser
         prompt = self._render(served, request, tool_parser)
         grammar = await self._tool_grammar(served, request, tool_parser)
         if grammar is None:
             grammar = await self.response_grammar(served, request.response_format)
-        thinking = reasoning_parser is not None and not (request.tool_choice not in (None, "auto", "none") and tool_parser)
         needs_special = any(p is not None and p.needs_special_tokens for p in (tool_parser, reasoning_parser))
         generation = GenerationRequest(
             request_id=random_id("chatcmpl"),
@@ -122,8 +123,8 @@ class OpenAIServingChat(OpenAIServing):
             render_special_tokens=needs_special,
         )
         parser = ChatOutputParser(
-            reasoning=reasoning_parser if thinking else None,
-            starts_in_reasoning=thinking and reasoning_parser.starts_in_reasoning(prompt),
+            reasoning=reasoning_parser,
+            starts_in_reasoning=reasoning_parser is not None and reasoning_parser.starts_in_reasoning(prompt),
             tools=tool_parser,
         )
         stream = self.submit(served, generation, streaming=request.stream)
