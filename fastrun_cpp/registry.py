@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID, ModelNotFoundError, embedded_model_path
+from fastrun_cpp.parsers import ReasoningParserName, ToolParserName
+
+KVCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
 
 class StrictModel(BaseModel):
@@ -31,8 +34,8 @@ class GpuOptions(StrictModel):
     split_mode: Literal["none", "layer", "row"] = "layer"
     tensor_split: list[float] | None = None  # share of the model per GPU
     flash_attn: Literal["auto", "on", "off"] = "auto"
-    cache_type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] = "f16"
-    cache_type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] = "f16"
+    cache_type_k: KVCacheType = "f16"
+    cache_type_v: KVCacheType = "f16"
 
 
 class SamplingDefaults(StrictModel):
@@ -62,8 +65,8 @@ class ModelConfig(StrictModel):
     max_queue: int = Field(64, ge=0)
     swa_full: bool = True
     chat_template_file: Path | None = None
-    tool_parser: Literal["hermes", "fallback", "llama3_json", "mistral", "pythonic"] | None = None
-    reasoning_parser: Literal["think", "harmony"] | None = None
+    tool_parser: ToolParserName | None = None
+    reasoning_parser: ReasoningParserName | None = None
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
 
     @model_validator(mode="after")

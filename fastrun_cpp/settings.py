@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
 from pathlib import Path
 
 from pydantic import Field, FilePath
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID
+from fastrun_cpp.parsers import ReasoningParserName, ToolParserName
 
 
 def _physical_cores() -> int:
@@ -55,10 +55,10 @@ class Settings(BaseSettings):
     chat_template_file: FilePath | None = Field(
         None, description="A Jinja chat template file to use instead of the one in the GGUF."
     )
-    tool_parser: Literal["hermes", "fallback", "llama3_json", "mistral", "pythonic"] | None = Field(
+    tool_parser: ToolParserName | None = Field(
         None, description="Tool-call format of the model; chosen from its chat template when unset."
     )
-    reasoning_parser: Literal["think", "harmony"] | None = Field(
+    reasoning_parser: ReasoningParserName | None = Field(
         None, description="Reasoning format of the model; chosen from its chat template when unset."
     )
     slots: int = Field(4, ge=1, le=256, description="Parallel sequences decoded together.")

@@ -132,10 +132,11 @@ class EnginePool:
         return busy, waiting
 
     def replica_load(self) -> list[dict[str, object]]:
-        return [
-            {"busy_slots": r.engine.load()[0], "waiting": r.engine.load()[1], "healthy": r.healthy}
-            for r in self._replicas
-        ]
+        status = []
+        for replica in self._replicas:
+            busy, waiting = replica.engine.load()
+            status.append({"busy_slots": busy, "waiting": waiting, "healthy": replica.healthy})
+        return status
 
     def check_prompt(self, n_prompt_tokens: int) -> None:
         self._replicas[0].engine.check_prompt(n_prompt_tokens)

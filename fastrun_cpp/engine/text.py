@@ -5,6 +5,8 @@ from __future__ import annotations
 import codecs
 from typing import Sequence
 
+from fastrun_cpp.parsers.text import find_first, partial_suffix
+
 
 class IncrementalDetokenizer:
     """Decodes token bytes as they arrive.
@@ -42,12 +44,11 @@ class StopMatcher:
         if not self._stops:
             return text, False
         pending = self._pending + text
-        first = min((index for stop in self._stops if (index := pending.find(stop)) >= 0), default=-1)
-        if first >= 0:
+        hit = find_first(pending, self._stops)
+        if hit is not None:
             self._pending = ""
-            return pending[:first], True
-        held = max((self._partial_match(pending, stop) for stop in self._stops), default=0)
-        cut = len(pending) - held
+            return pending[: hit[0]], True
+        cut = len(pending) - partial_suffix(pending, self._stops)
         self._pending = pending[cut:]
         return pending[:cut], False
 
@@ -55,11 +56,3 @@ class StopMatcher:
         """The withheld text, once no stop string can complete any more."""
         pending, self._pending = self._pending, ""
         return pending
-
-    @staticmethod
-    def _partial_match(text: str, stop: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
-        for length in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:length]):
-                return length
-        return 0

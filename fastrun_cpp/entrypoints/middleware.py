@@ -13,22 +13,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastrun_cpp.entrypoints.auth import AuthError, Authenticator
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
-from fastrun_cpp.entrypoints.openai.errors import APIError
+from fastrun_cpp.entrypoints.openai.errors import APIError, error_type_for
 from fastrun_cpp.entrypoints.request_context import RequestRecord, current_record, set_current_record
 
 access_log = logging.getLogger("fastrun_cpp.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"})
-_ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "unavailable"}
-
-
-def error_type_for(status: int) -> str:
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    return "upstream_error" if status >= 500 else "invalid_request_error"
-
-
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -158,8 +149,8 @@ class APIKeyMiddleware:
         try:
             key = self.authenticator.authenticate(_header(scope, b"authorization"))
         except AuthError as exc:
-            error_type = "authentication_error" if exc.status_code == 401 else "unavailable"
-            api_error = APIError(exc.status_code, exc.message, error_type, retry_after=5 if exc.status_code == 503 else None)
+            api_error = APIError(exc.status_code, exc.message, error_type_for(exc.status_code),
+                                 retry_after=5 if exc.status_code == 503 else None)
             response = api_error.response()
             if exc.status_code == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from fastrun_cpp.parsers.text import partial_suffix
 
@@ -86,6 +86,7 @@ class HarmonyParser(ReasoningParser):
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser for parser in (ThinkTagParser, HarmonyParser)
 }
+ReasoningParserName = Literal[tuple(REASONING_PARSERS)]  # what settings accept: the registry's names
 
 
 def select_reasoning_parser(template: str | None, override: str | None = None) -> ReasoningParser | None:

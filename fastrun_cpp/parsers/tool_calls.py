@@ -15,7 +15,7 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from fastrun_cpp.parsers.json_scan import JSONScanError, object_members, skip_ws, value_end
 from fastrun_cpp.parsers.text import find_first, partial_suffix
@@ -129,8 +129,6 @@ class HermesToolParser(ToolParser):
                     break
                 close = text.find(self.end, end)
                 if close < 0:
-                    if final:
-                        break
                     break
                 index = skip_ws(text, close + len(self.end))
         except (JSONScanError, json.JSONDecodeError):
@@ -251,8 +249,6 @@ class MistralToolParser(ToolParser):
                 while index is not None:
                     args_at = text.find("[ARGS]", index)
                     if args_at < 0:
-                        if not final:
-                            name = None
                         break
                     name = text[index:args_at].strip()
                     arguments_start = args_at + len("[ARGS]")
@@ -312,6 +308,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
     for parser in (HermesToolParser, FallbackToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
+ToolParserName = Literal[tuple(TOOL_PARSERS)]  # what settings accept: the registry's names
 
 
 def select_tool_parser(template: str | None, override: str | None = None) -> ToolParser:

@@ -60,39 +60,44 @@ def schema_to_gbnf(schema: dict[str, Any]) -> str:
         return base_grammar("json")
     try:
         # The key keeps property order: it is part of what the grammar produces.
-        return _convert(json.dumps(schema))
+        schema_json = json.dumps(schema)
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, SchemaError):
-            raise
         raise SchemaError(f"the schema is not JSON: {exc}") from exc
+    return _convert(schema_json)
 
 
 @functools.lru_cache(maxsize=256)
 def _convert(schema_json: str) -> str:
     schema = json.loads(schema_json)
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise SchemaError(f"invalid JSON schema: {exc.message}") from exc
-    _check_enforceable(schema, "#")
+    _check_schema(schema, "#", invalid="invalid JSON schema")
     converter = _Converter(_property_order(schema))
-    try:
-        resolved = converter.resolve_refs(schema, "request")
-        converter.visit(resolved, "")
-    except SchemaError:
-        raise
-    except (AssertionError, KeyError, ValueError, TypeError, RecursionError) as exc:
-        raise SchemaError(f"the schema cannot be turned into a grammar: {exc}") from exc
+    _visit_schema(converter, schema, ref_base="request", rule_name="", subject="the schema")
     return converter.format_grammar()
 
 
+def _check_schema(schema: Any, where: str, *, invalid: str) -> None:
+    """Raise SchemaError unless `schema` is valid JSON Schema whose every keyword a grammar
+    enforces (`invalid` starts the message for an invalid one)."""
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise SchemaError(f"{invalid}: {exc.message}") from exc
+    _check_enforceable(schema, where)
+
+
+def _visit_schema(converter: _Converter, schema: Any, *, ref_base: str, rule_name: str, subject: str) -> str:
+    """Add the rules of a checked schema to `converter`; returns the name of its rule."""
+    try:
+        return converter.visit(converter.resolve_refs(schema, ref_base), rule_name)
+    except SchemaError:
+        raise
+    except (AssertionError, KeyError, ValueError, TypeError, RecursionError) as exc:
+        raise SchemaError(f"{subject} cannot be turned into a grammar: {exc}") from exc
+
+
 def _check_enforceable(node: Any, where: str) -> None:
-    if isinstance(node, bool):
-        if node is False and where != "#":
-            return  # e.g. additionalProperties: false
-        return
     if not isinstance(node, dict):
-        return
+        return  # true / false (e.g. additionalProperties: false) and non-schemas
     for keyword, value in node.items():
         if keyword in _ANNOTATIONS:
             continue
@@ -354,18 +359,9 @@ def tool_calls_gbnf(
     converter = _Converter(order)
     alternatives = []
     for index, (name, parameters) in enumerate(functions):
-        try:
-            jsonschema.validators.validator_for(parameters, default=jsonschema.Draft202012Validator).check_schema(parameters)
-        except jsonschema.SchemaError as exc:
-            raise SchemaError(f"function {name!r}: invalid parameters schema: {exc.message}") from exc
-        _check_enforceable(parameters, f"function {name!r}")
-        try:
-            resolved = converter.resolve_refs(parameters, f"tool-{index}")
-            arguments_rule = converter.visit(resolved, f"fn{index}-args")
-        except SchemaError:
-            raise
-        except (AssertionError, KeyError, ValueError, TypeError, RecursionError) as exc:
-            raise SchemaError(f"function {name!r}: the parameters cannot be turned into a grammar: {exc}") from exc
+        _check_schema(parameters, f"function {name!r}", invalid=f"function {name!r}: invalid parameters schema")
+        arguments_rule = _visit_schema(converter, parameters, ref_base=f"tool-{index}", rule_name=f"fn{index}-args",
+                                       subject=f"function {name!r}: the parameters")
         name_literal = converter._format_literal(name)[1:-1]  # escaped, without the quotes
         alternatives.append(converter._add_rule(f"fn{index}-call", call_rule(f'"{name_literal}"', arguments_rule)))
     call = converter._add_rule("call", " | ".join(alternatives))

@@ -49,6 +49,16 @@ def error_body(status_code: int, message: str, error_type: ErrorType) -> dict[st
     ).model_dump()
 
 
+_ERROR_TYPES: dict[int, ErrorType] = {401: "authentication_error", 429: "rate_limit_error", 503: "unavailable"}
+
+
+def error_type_for(status: int) -> ErrorType:
+    """The spec's error type of an HTTP status."""
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    return "upstream_error" if status >= 500 else "invalid_request_error"
+
+
 def bad_request(message: str) -> APIError:
     return APIError(400, message)
 
@@ -119,8 +129,7 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONRes
         message = "no such route; the API is served under /v1 (chat/completions, completions, models)"
     else:
         message = str(exc.detail)
-    error_type: ErrorType = "invalid_request_error" if status < 500 else "upstream_error"
-    return JSONResponse(error_body(status, message, error_type), status_code=status, headers=exc.headers)
+    return JSONResponse(error_body(status, message, error_type_for(status)), status_code=status, headers=exc.headers)
 
 
 async def _unexpected_error(_request: Request, exc: Exception) -> JSONResponse:

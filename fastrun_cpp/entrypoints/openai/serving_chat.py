@@ -210,9 +210,7 @@ class OpenAIServingChat(OpenAIServing):
             if lazy:
                 return None  # calls are still parsed, just not enforced
             raise bad_request(f"tool_choice: {exc}") from exc
-        except SchemaError as exc:
-            raise bad_request(f"tools: {exc}") from exc
-        except GrammarError as exc:
+        except (SchemaError, GrammarError) as exc:
             raise bad_request(f"tools: {exc}") from exc
 
     # ------------------------------------------------------------------ answer

@@ -22,7 +22,7 @@ from fastrun_cpp.engine import (
 )
 from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarError
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
-from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
+from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -185,7 +185,7 @@ class OpenAIServing:
                 504, f"the request was stopped at its time limit of {stream.time_limit_s:g} s", "upstream_error"
             ) from exc
         except EngineError as exc:
-            raise APIError(502, f"the model failed to answer: {exc}", "upstream_error", retry_after=1) from exc
+            raise upstream_error(f"the model failed to answer: {exc}") from exc
         finally:
             stream.close()
 
@@ -228,5 +228,5 @@ async def collect(outputs: AsyncIterator[GenerationOutput]) -> GenerationOutput:
             logprobs.extend(output.logprobs)
         last = output
     if last is None:
-        raise APIError(502, "the model returned nothing", "upstream_error", retry_after=1)
+        raise upstream_error("the model returned nothing")
     return dataclasses.replace(last, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
