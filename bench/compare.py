@@ -38,7 +38,7 @@ from bench.harness import (  # noqa: E402
 )
 from bench.structured import STORY_SCHEMA  # noqa: E402
 from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
-from fastrun_cpp.settings import _physical_cores  # noqa: E402
+from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 SERVERS = ("fastrun-cpp", "llama-server", "llama-cpp-python", "llama-cpp-python-nointerrupt")
 LEVELS = (1, 4, 8, 16)
@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--ctx-size", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=_physical_cores())
+    parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
@@ -149,7 +149,8 @@ def main() -> int:
         order = names if round_index % 2 == 0 else list(reversed(names))
         for name in order:
             spec = ServerSpec(name, args.slots, args.ctx_size, args.threads)
-            with running(spec, model_path) as base_url:
+            with running(spec, model_path) as server:
+                base_url = server.base_url
                 asyncio.run(run_level(base_url, 1, 1, 8))  # warm-up
                 record = runs[name]
                 for level in levels:

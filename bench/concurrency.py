@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import LLAMA_SERVER, ROOT, LevelSummary, ServerSpec, median_summary, run_level, running  # noqa: E402
 from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
-from fastrun_cpp.settings import _physical_cores  # noqa: E402
+from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 
 def main() -> int:
@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--ctx-size", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=_physical_cores())
+    parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--servers", default="fastrun-cpp,llama-server")
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "concurrency.json")
     args = parser.parse_args()
@@ -50,7 +50,8 @@ def main() -> int:
     for round_index in range(args.rounds):
         order = names if round_index % 2 == 0 else list(reversed(names))
         for name in order:
-            with running(specs[name], model_path) as base_url:
+            with running(specs[name], model_path) as server:
+                base_url = server.base_url
                 asyncio.run(run_level(base_url, 1, 1, 8))  # warm-up
                 for level in levels:
                     wall, results = asyncio.run(

@@ -70,8 +70,18 @@ class ServerSpec:
         raise ValueError(self.name)
 
 
+@dataclass(frozen=True)
+class Server:
+    root_url: str
+    pid: int
+
+    @property
+    def base_url(self) -> str:
+        return self.root_url + "/v1"
+
+
 @contextmanager
-def running(spec: ServerSpec, model_path: Path) -> Iterator[str]:
+def running(spec: ServerSpec, model_path: Path) -> Iterator[Server]:
     port = free_port()
     log = open(ROOT / ".bench" / f"{spec.name}.log", "wb")
     process = subprocess.Popen(spec.command(port, model_path), stdout=log, stderr=subprocess.STDOUT,
@@ -90,7 +100,7 @@ def running(spec: ServerSpec, model_path: Path) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{spec.name} did not start")
             time.sleep(0.2)
-        yield base + "/v1"
+        yield Server(base, process.pid)
     finally:
         process.terminate()
         try:
@@ -246,16 +256,17 @@ def ab_workloads(description: str, workloads: dict[str, dict | None]) -> int:
     import statistics
 
     from fastrun_cpp.default_model import embedded_model_path
-    from fastrun_cpp.settings import _physical_cores
+    from fastrun_cpp.settings import physical_cores
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    spec = ServerSpec("fastrun-cpp", slots=args.concurrency, ctx_size=2048, threads=_physical_cores())
+    spec = ServerSpec("fastrun-cpp", slots=args.concurrency, ctx_size=2048, threads=physical_cores())
     rates: dict[str, list[float]] = {name: [] for name in workloads}
-    with running(spec, embedded_model_path()) as base_url:
+    with running(spec, embedded_model_path()) as server:
+        base_url = server.base_url
         asyncio.run(run_level(base_url, 1, 1, 8))  # warm-up
         for round_index in range(args.rounds):
             names = list(workloads) if round_index % 2 == 0 else list(reversed(workloads))

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import MODEL_ID, ServerSpec, running  # noqa: E402
 from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
-from fastrun_cpp.settings import _physical_cores  # noqa: E402
+from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 
 def long_document(tag: str) -> str:
@@ -96,11 +96,11 @@ def main() -> int:
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
     args = parser.parse_args()
-    spec = ServerSpec("fastrun-cpp", slots=4, ctx_size=4096, threads=_physical_cores())
-    with running(spec, embedded_model_path()) as base_url:
-        asyncio.run(cold_vs_warm(base_url, args.repeats))
-        asyncio.run(chat_users(base_url, args.users, args.turns))
-        stats = httpx.get(base_url.removesuffix("/v1") + "/health").json()["models"][MODEL_ID]["stats"]
+    spec = ServerSpec("fastrun-cpp", slots=4, ctx_size=4096, threads=physical_cores())
+    with running(spec, embedded_model_path()) as server:
+        asyncio.run(cold_vs_warm(server.base_url, args.repeats))
+        asyncio.run(chat_users(server.base_url, args.users, args.turns))
+        stats = httpx.get(server.root_url + "/health").json()["models"][MODEL_ID]["stats"]
         print(f"\nengine counters: {stats}")
     return 0
 

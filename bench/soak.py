@@ -22,9 +22,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import MODEL_ID, TOPICS, ServerSpec, running  # noqa: E402
+from bench.harness import MODEL_ID, TOPICS, Server, ServerSpec, running  # noqa: E402
 from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
-from fastrun_cpp.settings import _physical_cores  # noqa: E402
+from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -68,7 +68,8 @@ async def client(base_url: str, index: int, deadline: float, outcomes: collectio
                 outcomes[f"client error {type(exc).__name__}"] += 1
 
 
-async def soak(base_url: str, pid: int, clients: int, seconds: float) -> dict:
+async def soak(server: Server, clients: int, seconds: float) -> dict:
+    base_url, pid = server.base_url, server.pid
     outcomes: collections.Counter = collections.Counter()
     deadline = time.monotonic() + seconds
     memory: list[tuple[float, float]] = []
@@ -84,7 +85,7 @@ async def soak(base_url: str, pid: int, clients: int, seconds: float) -> dict:
                                             for i in range(clients)))
     await asyncio.sleep(2)  # let the last aborts land
     async with httpx.AsyncClient() as http:
-        health = (await http.get(base_url.removesuffix("/v1") + "/health")).json()["models"][MODEL_ID]
+        health = (await http.get(server.root_url + "/health")).json()["models"][MODEL_ID]
     memory.append((seconds + 2, rss_mib(pid)))
     return {"outcomes": outcomes, "health": health, "memory": memory}
 
@@ -95,12 +96,9 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=5)
     parser.add_argument("--slots", type=int, default=8)
     args = parser.parse_args()
-    spec = ServerSpec("fastrun-cpp", slots=args.slots, ctx_size=1024, threads=_physical_cores())
-    with running(spec, embedded_model_path()) as base_url:
-        pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                   and "fastrun_cpp" in Path(f"/proc/{p.name}/cmdline").read_bytes().decode(errors="ignore")
-                   and f"{base_url.split(':')[-1].split('/')[0]}" in Path(f"/proc/{p.name}/cmdline").read_bytes().decode(errors="ignore"))
-        result = asyncio.run(soak(base_url, pid, args.clients, args.minutes * 60))
+    spec = ServerSpec("fastrun-cpp", slots=args.slots, ctx_size=1024, threads=physical_cores())
+    with running(spec, embedded_model_path()) as server:
+        result = asyncio.run(soak(server, args.clients, args.minutes * 60))
     outcomes, health, memory = result["outcomes"], result["health"], result["memory"]
     server_errors = {k: v for k, v in outcomes.items()
                      if k.startswith("HTTP 5") or k.startswith("error event") or k == "cut short"}

@@ -12,7 +12,7 @@ from fastrun_cpp.default_model import DEFAULT_MODEL_ID
 from fastrun_cpp.parsers import ReasoningParserName, ToolParserName
 
 
-def _physical_cores() -> int:
+def physical_cores() -> int:
     # llama.cpp runs fastest with one thread per physical core; hyperthreads only add contention.
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
@@ -78,7 +78,7 @@ class Settings(BaseSettings):
         description="Keep the full KV of sliding-window layers so their prefixes stay reusable "
         "(off saves memory on sliding-window models; their prefix hits then mostly miss).",
     )
-    threads: int = Field(default_factory=_physical_cores, ge=1, description="CPU threads for decoding.")
+    threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.")
     n_gpu_layers: int = Field(-1, description="Layers to offload to a GPU (-1: all, 0: none).")
     max_queue: int = Field(
         64, ge=0, description="Requests that may wait for a slot; beyond that the server answers 429."
