@@ -121,7 +121,11 @@ def test_scheduler_overhead_with_16_active_slots(benchmark, smollm, temperature)
             if len(finished) == 16:
                 done.set()
 
-        engine = Engine(smollm, EngineConfig(slots=16, ctx_size=512, batch_size=512, threads=2), collect)
+        from fastrun_cpp.registry import ModelConfig
+        from fastrun_cpp.runtime.model_runtime import engine_config
+
+        config = engine_config(ModelConfig(id="bench", path=smollm.path, slots=16, ctx_size=512), threads=2)
+        engine = Engine(smollm, config, collect)
         engine.start()
         prompt = smollm.tokenize_prompt("<|im_start|>user\nTell me a long story.<|im_end|>\n<|im_start|>assistant\n")
         for i in range(16):

@@ -25,8 +25,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | 
         if names is not None and name not in names:
             continue
         flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description} [env FASTRUN_{name.upper()}]"
-        if field.annotation is bool:
+        help_text = f"{field.description} [env FASTRUN_{name.upper()}]".replace("%", "%%")
+        if field.annotation in (bool, bool | None):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         elif typing.get_origin(field.annotation) is list:
@@ -77,6 +77,8 @@ def serve(overrides: dict[str, Any]) -> int:
 
     settings = Settings(**overrides)
     configure_logging(settings.log_level)
+    if not cpu_supports_build():
+        return 2
     try:
         registry_from_settings(settings)
     except (ModelNotFoundError, ValueError, OSError) as exc:  # bad --model or models file
@@ -103,6 +105,22 @@ def serve(overrides: dict[str, Any]) -> int:
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     return 0
+
+
+def cpu_supports_build() -> bool:
+    """Refuse to start, with one line saying what to do, when the llama.cpp build uses
+    instructions this CPU lacks (it would die of SIGILL); otherwise log what it uses."""
+    from fastrun_cpp import cpu
+
+    check = cpu.check_build()
+    if not check.ok:
+        problem = check.crashed or f"it uses {', '.join(check.missing)}, which this CPU lacks"
+        logger.error("llama.cpp was built for another CPU (%s): run `make setup` again to build it for "
+                     "this one", problem)
+        return False
+    logger.info("llama.cpp CPU build: %s (this CPU: %s %s)", " ".join(check.features) or "baseline",
+                cpu.machine(), cpu.cpu_name())
+    return True
 
 
 def pull(repo: str, filename: str | None, revision: str | None) -> int:

@@ -34,7 +34,8 @@ class GpuOptions(StrictModel):
     split_mode: Literal["none", "layer", "row"] = "layer"
     tensor_split: list[float] | None = None  # share of the model per GPU
     flash_attn: Literal["auto", "on", "off"] = "auto"
-    cache_type_k: KVCacheType = "f16"
+    # KV cache data types; K unset: bf16 in deterministic mode on the CPU (see ModelConfig), else f16.
+    cache_type_k: KVCacheType | None = None
     cache_type_v: KVCacheType = "f16"
 
 
@@ -51,19 +52,32 @@ class SamplingDefaults(StrictModel):
 
 
 class ModelConfig(StrictModel):
+    """One served model: where its weights come from and how its engines run. This is the one
+    place engine defaults are written; `Settings` (flags, FASTRUN_*) only overrides them."""
+
     id: str
     path: Path | None = None  # a local GGUF
     hub: HubSource | None = None  # or a Hub file (pulled at startup into the HF cache)
-    slots: int = Field(4, ge=1, le=256)
-    ctx_size: int = Field(4096, ge=64)
-    batch_size: int = Field(512, ge=16)
-    threads: int | None = None  # the server's --threads when unset
-    replicas: int = Field(1, ge=1, le=64)  # engines serving this model (prefix-aware routing)
+    slots: int = Field(4, ge=1, le=256, description="Parallel sequences decoded together.")
+    ctx_size: int = Field(4096, ge=64, description="Context window of each slot, in tokens (prompt plus answer).")
+    batch_size: int = Field(512, ge=16, description="Most tokens in one decode step (long prompts go in chunks).")
+    threads: int | None = Field(None, ge=1, description="CPU threads; the server's --threads when unset.")
+    replicas: int = Field(1, ge=1, le=64, description="Engines serving the model (prefix-aware routing).")
     gpus: list[int] | None = None  # one replica per listed GPU (overrides `replicas`)
     gpu: GpuOptions = Field(default_factory=GpuOptions)
-    prompt_cache_mib: int = Field(1024, ge=0)
-    max_queue: int = Field(64, ge=0)
-    swa_full: bool = True
+    prompt_cache_mib: int = Field(1024, ge=0, description="Host RAM (MiB) for KV prefixes saved from slots; 0: off.")
+    prompt_cache_disk_gib: float = Field(
+        4, ge=0, description="Disk (GiB) for KV prefixes under --prompt-cache-dir, kept across restarts; 0: off."
+    )
+    max_queue: int = Field(64, ge=0, description="Requests that may wait for a slot before the server answers 429.")
+    swa_full: bool = Field(
+        True, description="Keep the full KV of sliding-window layers so their prefixes stay reusable."
+    )
+    deterministic: bool = Field(
+        True,
+        description="Batch-invariant CPU kernels: at temperature 0 an answer never depends on batching, prompt "
+        "chunking or cache hits (costs about 30% of prompt-processing speed; off: llama.cpp's fastest kernels).",
+    )
     chat_template_file: Path | None = None
     tool_parser: ToolParserName | None = None
     reasoning_parser: ReasoningParserName | None = None
@@ -124,22 +138,17 @@ def _looks_like_a_path(value: str) -> bool:
     return value.startswith(("/", ".", "~")) or repo.endswith(".gguf") or repo.count("/") != 1
 
 
+# Settings that override a ModelConfig field of the same name when given.
+MODEL_OVERRIDES = ("slots", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
+                   "max_queue", "swa_full", "deterministic", "chat_template_file", "tool_parser", "reasoning_parser")
+
+
 def model_from_settings(settings) -> ModelConfig:
     """The one model of a server started without --models-file: `--model` is the embedded
     default's id, a GGUF path, or a Hub repository (`owner/name` or `owner/name:file.gguf`)."""
-    common = dict(
-        slots=settings.slots,
-        ctx_size=settings.ctx_size,
-        batch_size=settings.batch_size,
-        replicas=settings.replicas,
-        gpu=GpuOptions(n_gpu_layers=settings.n_gpu_layers),
-        prompt_cache_mib=settings.prompt_cache_mib,
-        max_queue=settings.max_queue,
-        swa_full=settings.swa_full,
-        chat_template_file=settings.chat_template_file,
-        tool_parser=settings.tool_parser,
-        reasoning_parser=settings.reasoning_parser,
-    )
+    common = {name: getattr(settings, name) for name in MODEL_OVERRIDES if getattr(settings, name) is not None}
+    if settings.n_gpu_layers is not None:
+        common["gpu"] = GpuOptions(n_gpu_layers=settings.n_gpu_layers)
     source = settings.model
     if source == DEFAULT_MODEL_ID:
         return ModelConfig(id=settings.served_model_name or source, path=embedded_model_path(), **common)

@@ -9,6 +9,7 @@ from pydantic import Field, FilePath
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID
+from fastrun_cpp.registry import ModelConfig
 from fastrun_cpp.parsers import ReasoningParserName, ToolParserName
 
 
@@ -30,6 +31,21 @@ def physical_cores() -> int:
     return max(1, min(usable, len(cores) or usable))
 
 
+def _model_field(name: str):
+    """A setting that overrides the ModelConfig field `name` (same checks; unset: its default)."""
+    field = ModelConfig.model_fields[name]
+    return Field(None, description=f"{field.description} [default: {field.default}]", **_constraints(field))
+
+
+def _constraints(field) -> dict:
+    out = {}
+    for item in field.metadata:
+        for key in ("ge", "gt", "le", "lt"):
+            if getattr(item, key, None) is not None:
+                out[key] = getattr(item, key)
+    return out
+
+
 def _data_home() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
 
@@ -48,10 +64,11 @@ class Settings(BaseSettings):
         None, description="A TOML registry of models to serve (see models/registry.example.toml); "
         "replaces --model and the per-model settings.",
     )
-    replicas: int = Field(1, ge=1, le=64, description="Engines serving the model (prefix-aware routing).")
     served_model_name: str | None = Field(
         None, description="Model id clients send; defaults to the model's id or GGUF file name."
     )
+    # Per-model engine settings: unset means the model's own default (registry.ModelConfig).
+    replicas: int | None = _model_field("replicas")
     chat_template_file: FilePath | None = Field(
         None, description="A Jinja chat template file to use instead of the one in the GGUF."
     )
@@ -61,28 +78,20 @@ class Settings(BaseSettings):
     reasoning_parser: ReasoningParserName | None = Field(
         None, description="Reasoning format of the model; chosen from its chat template when unset."
     )
-    slots: int = Field(4, ge=1, le=256, description="Parallel sequences decoded together.")
-    ctx_size: int = Field(
-        4096, ge=64, description="Context window of each slot, in tokens (prompt plus answer)."
+    slots: int | None = _model_field("slots")
+    ctx_size: int | None = _model_field("ctx_size")
+    batch_size: int | None = _model_field("batch_size")
+    prompt_cache_mib: int | None = _model_field("prompt_cache_mib")
+    prompt_cache_disk_gib: float | None = _model_field("prompt_cache_disk_gib")
+    prompt_cache_dir: Path = Field(
+        default_factory=lambda: _data_home() / "fastrun-cpp" / "prompt-cache",
+        description="Directory of the disk prompt cache (shared safely by several servers).",
     )
-    batch_size: int = Field(
-        512,
-        ge=16,
-        description="Most tokens in one decode step; long prompts are prefilled in chunks of this size.",
-    )
-    prompt_cache_mib: int = Field(
-        1024, ge=0, description="Host RAM (MiB) for KV prefixes saved from slots; 0 turns it off."
-    )
-    swa_full: bool = Field(
-        True,
-        description="Keep the full KV of sliding-window layers so their prefixes stay reusable "
-        "(off saves memory on sliding-window models; their prefix hits then mostly miss).",
-    )
+    swa_full: bool | None = _model_field("swa_full")
+    deterministic: bool | None = _model_field("deterministic")
+    max_queue: int | None = _model_field("max_queue")
     threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.")
-    n_gpu_layers: int = Field(-1, description="Layers to offload to a GPU (-1: all, 0: none).")
-    max_queue: int = Field(
-        64, ge=0, description="Requests that may wait for a slot; beyond that the server answers 429."
-    )
+    n_gpu_layers: int | None = Field(None, description="Layers to offload to a GPU (-1, the default: all; 0: none).")
     request_timeout_s: float = Field(600, gt=0, description="Limit for a request without streaming, seconds.")
     stream_timeout_s: float = Field(3600, gt=0, description="Limit for a streamed request, seconds.")
     shutdown_grace_s: float = Field(

@@ -46,7 +46,8 @@ def run_server(*args: str, log_dir: Path, env: dict[str, str] | None = None,
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     command = [sys.executable, "-m", "fastrun_cpp", "serve", "--port", str(port), *args]
-    environment = {**os.environ, "FASTRUN_KEYS_DB": str(log_dir / f"keys-{port}.sqlite3"), **(env or {})}
+    environment = {**os.environ, "FASTRUN_KEYS_DB": str(log_dir / f"keys-{port}.sqlite3"),
+                   "FASTRUN_PROMPT_CACHE_DIR": str(log_dir / f"prompt-cache-{port}"), **(env or {})}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment)
     server = RunningServer(process, f"http://127.0.0.1:{port}/v1", log_path)

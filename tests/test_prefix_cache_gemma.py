@@ -1,5 +1,10 @@
 """Prefix reuse on Gemma 3, whose sliding-window layers can make a stored prefix unusable:
-such a prefix must fall back to a miss, never give a different answer."""
+such a prefix must fall back to a miss, never read missing cells.
+
+With the full sliding-window KV (the default) a hit answers exactly like a cold run. With
+--no-swa-full the window's KV is a ring buffer: which cell holds which position depends on the
+slot's history, and attention sums over cells in cell order, so hits and cold runs round
+differently (README, Determinism); there the tests check the cache's decisions only."""
 
 from __future__ import annotations
 
@@ -12,6 +17,12 @@ from tests.test_prefix_cache import Client, cached, document, text
 LONG = 40
 # Longer than the window-only SWA cache (window + batch = 1024 cells): its start gets pruned.
 VERY_LONG = 62
+
+
+def assert_exact(mode: str, *answers: str) -> None:
+    assert all(answers), answers
+    if mode == "swa-full":
+        assert len(set(answers)) == 1, answers
 
 
 @pytest.fixture(scope="module", params=["swa-full", "swa-window-only"])
@@ -37,7 +48,7 @@ def test_identical_long_prompt(gemma, gemma_reference):
     first = client.complete(prompt)
     second = client.complete(prompt)
     assert cached(reference) <= 1  # at most the shared <bos>
-    assert text(first) == text(second) == text(reference)
+    assert_exact(mode, text(first), text(second), text(reference))
     # Reusing all of it needs only the last window, which even a window-only cache keeps.
     assert cached(second) == second["usage"]["prompt_tokens"] - 1
 
@@ -51,7 +62,7 @@ def test_shared_long_prefix_then_a_long_detour(gemma, gemma_reference):
     client.complete(detour)
     hit = client.complete(question)
     assert cached(reference) <= 1
-    assert text(hit) == text(reference)
+    assert_exact(mode, text(hit), text(reference))
     prefix_tokens = hit["usage"]["prompt_tokens"] - 12
     if mode == "swa-full":
         assert cached(hit) > prefix_tokens
@@ -67,7 +78,7 @@ def test_short_prefix_within_the_window(gemma, gemma_reference):
     reference = gemma_reference.complete(prompt, max_tokens=8)
     client.complete(prompt, max_tokens=8)
     hit = client.complete(prompt, max_tokens=8)
-    assert text(hit) == text(reference)
+    assert_exact(mode, text(hit), text(reference))
     assert cached(hit) == hit["usage"]["prompt_tokens"] - 1
 
 
@@ -82,7 +93,7 @@ def test_host_cache_serves_the_next_turn(gemma, gemma_reference):
     reference = gemma_reference.complete(follow_up)
     again = client.complete(follow_up)
     assert cached(reference) <= 1  # at most the shared <bos>
-    assert text(again) == text(reference)
+    assert_exact(mode, text(again), text(reference))
     assert cached(again) >= first["usage"]["prompt_tokens"]
 
 
@@ -93,5 +104,5 @@ def test_host_cache_entry_that_cannot_serve_is_a_clean_miss(gemma, gemma_referen
     client.complete(a)
     client.complete(b)
     again = client.complete(a)  # a prefix of the saved a+answer: its window is gone
-    assert text(again) == text(reference)
+    assert_exact(mode, text(again), text(reference))
     assert cached(again) <= 1

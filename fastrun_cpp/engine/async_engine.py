@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
-from fastrun_cpp.engine.engine import Engine, EngineConfig, EngineStats
+from fastrun_cpp.engine.disk_cache import DiskPromptCache
+from fastrun_cpp.engine.engine import MIN_SAVED_TOKENS, Engine, EngineConfig, EngineStats
 from fastrun_cpp.engine.faults import Faults
-from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarCache
+from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.prompt_cache import CachedSequence
 from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -106,13 +109,22 @@ class AsyncEngine:
     Must be created inside the running event loop it serves.
     """
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: EngineConfig,
+        grammars: GrammarCompiler,
+        faults: Faults | None = None,
+        disk_cache: DiskPromptCache | None = None,
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._collectors: dict[str, _OutputCollector] = {}
         self.model = model
-        self.engine = Engine(model, config, self._on_outputs, faults)
+        self.engine = Engine(model, config, self._on_outputs, faults, disk_cache)
         self.engine.start()
-        self._grammars = GrammarCache(model)
+        self._grammars = grammars
+        self._disk = disk_cache if disk_cache is not None and disk_cache.enabled else None
+        self._disk_reader = ThreadPoolExecutor(1, thread_name_prefix="fastrun-kv-reader") if self._disk else None
 
     @property
     def max_context(self) -> int:
@@ -132,24 +144,40 @@ class AsyncEngine:
     def check_prompt(self, n_prompt_tokens: int) -> None:
         self.engine.check_prompt(n_prompt_tokens)
 
-    def compile_grammar(self, gbnf: str, lazy_patterns: tuple[str, ...] = ()) -> CompiledGrammar:
-        """A parsed grammar for this model (cached by text); raises GrammarError. Thread-safe."""
-        return self._grammars.compile(gbnf, lazy_patterns)
-
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue a request now (raising CapacityError / PromptTooLongError at once) and return
-        the stream of its outputs."""
+    async def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request (raising CapacityError / PromptTooLongError / GrammarError before it
+        is queued) and return the stream of its outputs."""
+        grammar = await self._grammars.compile(request.grammar) if request.grammar is not None else None
+        if self._disk is not None:
+            await self._load_from_disk(request.prompt_tokens)
         collector = _OutputCollector()
         self._collectors[request.request_id] = collector
         try:
-            self.engine.add_request(request)
+            self.engine.add_request(request, grammar)
         except BaseException:
             del self._collectors[request.request_id]
             raise
         return RequestStream(self, request.request_id, collector)
 
+    async def _load_from_disk(self, prompt: list[int]) -> None:
+        """Bring the disk tier's longest prefix of `prompt` into the host cache before the
+        request is queued, when it beats what the slots and the host cache hold (read in a
+        thread of its own: the scheduler never waits for the disk)."""
+        entry, length = self._disk.longest_prefix(prompt)
+        usable = min(length, len(prompt) - 1)
+        if entry is not None and not self.engine.state_serves(len(entry.tokens), usable):
+            entry = None
+        if entry is None or usable < MIN_SAVED_TOKENS or usable <= self.engine.cached_prefix(prompt):
+            self._disk.stats.misses += 1
+            return
+        state = await self._loop.run_in_executor(self._disk_reader, self._disk.load, entry)
+        if state is not None:
+            self.engine.adopt(CachedSequence(entry.tokens, state, source="disk"))
+
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._disk_reader is not None:
+            self._disk_reader.shutdown(wait=False)
 
     def _forget(self, request_id: str) -> None:
         self._collectors.pop(request_id, None)

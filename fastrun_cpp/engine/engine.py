@@ -20,7 +20,9 @@ import llama_cpp.llama_cpp as llama
 import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.faults import Faults
+from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
 from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.model import LlamaModel
@@ -30,7 +32,7 @@ from fastrun_cpp.engine.request import (
     GenerationOutput,
     GenerationRequest,
 )
-from fastrun_cpp.engine.sampling import Candidates, SamplerChain
+from fastrun_cpp.engine.sampling import NO_TOKEN, Candidates, SamplerChain
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.tokens import common_prefix_length
 
@@ -72,16 +74,19 @@ class CapacityError(EngineError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    slots: int = 4
-    ctx_size: int = 4096  # per slot: prompt plus answer
-    batch_size: int = 512  # most tokens in one decode step
-    threads: int = 4
-    prompt_cache_mib: int = 1024  # host RAM for saved prefixes; 0 turns that cache off
-    max_queue: int = 64  # requests that may wait for a slot
-    swa_full: bool = True  # keep all sliding-window KV, so prefixes of SWA models stay reusable
-    flash_attn: str = "auto"  # auto / on / off
-    cache_type_k: str = "f16"  # KV cache data types
-    cache_type_v: str = "f16"
+    """How an engine runs; built from a model's configuration (registry.ModelConfig holds the
+    defaults)."""
+
+    slots: int
+    ctx_size: int  # per slot: prompt plus answer
+    batch_size: int  # most tokens in one decode step
+    threads: int
+    prompt_cache_mib: int  # host RAM for saved prefixes; 0 turns that cache off
+    max_queue: int  # requests that may wait for a slot
+    swa_full: bool  # keep all sliding-window KV, so prefixes of SWA models stay reusable
+    flash_attn: str  # auto / on / off
+    cache_type_k: str  # KV cache data types
+    cache_type_v: str
 
 
 @dataclass
@@ -94,6 +99,7 @@ class EngineStats:
     slot_hits: int = 0  # requests that reused a prefix left in their slot
     host_hits: int = 0  # requests that restored a prefix from the host-RAM cache
     misses: int = 0
+    disk_hits: int = 0  # requests that restored a prefix loaded from the disk tier
     host_saves: int = 0
     host_evictions: int = 0
     generated_tokens: int = 0
@@ -134,6 +140,7 @@ class Engine:
         config: EngineConfig,
         output_handler: OutputHandler,
         faults: Faults | None = None,
+        disk_cache: DiskPromptCache | None = None,
     ) -> None:
         if config.batch_size < config.slots:
             raise ValueError("batch_size must be at least the number of slots")
@@ -163,16 +170,17 @@ class Engine:
         self._batch = TokenBatch(config.batch_size)
         self._candidates = Candidates(model.n_vocab)
         self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
-        self._waiting: deque[GenerationRequest] = deque()
+        self._waiting: deque[tuple[GenerationRequest, CompiledGrammar | None]] = deque()
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._clock = 0  # increases every admission; orders slots by recency
         self._prompt_cache = PromptCache(config.prompt_cache_mib * 2**20)
+        self.disk_cache = disk_cache
         self.stats = EngineStats()
         self._throughput = ThroughputMeter()
         self._faults = faults or Faults()
 
         self._lock = threading.Condition()
-        self._inbox: list[GenerationRequest] = []
+        self._inbox: list[tuple[GenerationRequest, CompiledGrammar | None]] = []
         self._aborts: set[str] = set()
         self._outstanding = 0  # requests added and not yet finished (guarded by _lock)
         self._stopping = False
@@ -196,16 +204,19 @@ class Engine:
                 f"{self.config.ctx_size} tokens (prompt and answer together)"
             )
 
-    def add_request(self, request: GenerationRequest) -> None:
-        """Queue a request; raises CapacityError when slots and wait queue are all taken."""
+    def add_request(self, request: GenerationRequest, grammar: CompiledGrammar | None = None) -> None:
+        """Queue a request (with its grammar compiled, if it has one); raises CapacityError
+        when slots and wait queue are all taken."""
         self.check_prompt(len(request.prompt_tokens))
+        if (grammar is None) != (request.grammar is None):
+            raise ValueError("a request with a grammar needs it compiled")
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
             if self._outstanding >= self.config.slots + self.config.max_queue:
                 raise CapacityError(self._retry_after_s())
             self._outstanding += 1
-            self._inbox.append(request)
+            self._inbox.append((request, grammar))
             self._lock.notify()
 
     def _retry_after_s(self) -> int:
@@ -228,11 +239,18 @@ class Engine:
             self._lock.notify()
 
     def shutdown(self) -> None:
+        """Stop the scheduler (failing what is still queued or running), keep what the slots hold
+        in the disk tier, and free the context."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         if self._thread.is_alive():
             self._thread.join()
+        if self._ctx and self.disk_cache is not None and self.disk_cache.enabled:
+            for slot in self._slots:
+                state = self._sequence_state(slot)
+                if state is not None:
+                    self.disk_cache.store(list(slot.cache_tokens), state)
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
@@ -241,6 +259,19 @@ class Engine:
     def outstanding(self) -> int:
         """Requests queued or running (for routing; approximate)."""
         return self._outstanding
+
+    def state_serves(self, saved: int, prefix: int) -> bool:
+        """Whether a saved state of `saved` tokens can serve a reuse of its first `prefix`. A
+        saved state keeps sliding-window KV for the last window of its tokens only (llama.cpp
+        drops the rest when saving): past one window it serves just prompts that continue all
+        of it, as the next turn of a chat does."""
+        n_swa = self.model.n_swa
+        return n_swa == 0 or saved < n_swa or prefix >= saved
+
+    def adopt(self, entry: CachedSequence) -> None:
+        """Put a saved state (loaded from the disk tier) where the next admission finds it.
+        Any thread."""
+        self.stats.host_evictions += self._prompt_cache.insert(entry)
 
     def cached_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` this engine already holds, in a slot or in the
@@ -303,8 +334,9 @@ class Engine:
 
     def _abort(self, request_ids: set[str]) -> list[GenerationOutput]:
         outputs = []
-        for request in [r for r in self._waiting if r.request_id in request_ids]:
-            self._waiting.remove(request)
+        for item in [item for item in self._waiting if item[0].request_id in request_ids]:
+            self._waiting.remove(item)
+            request = item[0]
             outputs.append(GenerationOutput(request.request_id, finish_reason=FinishReason.ABORTED))
         for slot in self._slots:
             if slot.request is not None and slot.request.request_id in request_ids:
@@ -314,25 +346,27 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and any(slot.is_free for slot in self._slots):
-            request = self._waiting.popleft()
+            request, grammar = self._waiting.popleft()
             try:
-                self._start(request)
+                self._start(request, grammar)
             except Exception as exc:  # a request that cannot start fails alone
                 logger.exception("could not start request %s", request.request_id)
                 self._unsent.append(
                     GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc))
                 )
 
-    def _start(self, request: GenerationRequest) -> None:
+    def _start(self, request: GenerationRequest, grammar: CompiledGrammar | None) -> None:
         prompt = request.prompt_tokens
         free = [slot for slot in self._slots if slot.is_free]
         # Longest shared prefix wins; ties and misses go to the least recently used slot.
         slot = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
+        lazy = grammar is not None and bool(grammar.triggers)
         sampler = SamplerChain(
             request.sampling,
             n_vocab=self.model.n_vocab,
             penalty_window=self.config.ctx_size,
-            grammar=request.grammar.instantiate() if request.grammar is not None else None,
+            grammar=grammar.instantiate() if grammar is not None and not lazy else None,
+            lazy_grammar=LazyGrammar(grammar, self.model, self._candidates) if lazy else None,
         )
         sampler.accept_prompt(prompt)
         source = self._prepare_prefix(slot, prompt)
@@ -356,15 +390,14 @@ class Engine:
         Returns where the prefix comes from, "slot" or "host"."""
         in_slot = common_prefix_length(slot.cache_tokens, prompt)
         entry, in_host = self._prompt_cache.longest_prefix(prompt)
-        if entry is not None and self.model.n_swa > 0 and min(in_host, len(prompt) - 1) < len(entry.tokens):
-            # A saved state keeps sliding-window KV only for the last window of its tokens, so
-            # it serves just prompts that continue all of it (the next turn of a chat).
+        if entry is not None and not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
             entry = None
         if entry is not None and in_host > in_slot:
             # Saving the slot may evict entries; this one is in use (and held here anyway).
             self._prompt_cache.touch(entry)
             self._save(slot)
-            return "host" if self._restore(slot, entry) else "slot"
+            source, entry.source = entry.source, "host"  # from now on it is served from RAM
+            return source if self._restore(slot, entry) else "slot"
         lost = len(slot.cache_tokens) - in_slot
         # Save when the slot goes to a different conversation (it would lose more than it
         # keeps). A related prompt - the same long system prompt, the next turn - keeps most of
@@ -375,15 +408,27 @@ class Engine:
         return "slot"
 
     def _save(self, slot: Slot) -> None:
+        """Keep what the slot holds in the host cache, and write it to the disk tier."""
         tokens = slot.cache_tokens
-        if not self._prompt_cache.enabled or len(tokens) < MIN_SAVED_TOKENS or self._prompt_cache.covers(tokens):
+        if not self._prompt_cache.enabled or self._prompt_cache.covers(tokens):
             return
+        state = self._sequence_state(slot)
+        if state is None:
+            return
+        tokens = list(tokens)
+        self.stats.host_saves += 1
+        self.stats.host_evictions += self._prompt_cache.insert(CachedSequence(tokens, state))
+        if self.disk_cache is not None:
+            self.disk_cache.store(tokens, state)  # written by the disk tier's own thread
+
+    def _sequence_state(self, slot: Slot) -> np.ndarray | None:
+        if len(slot.cache_tokens) < MIN_SAVED_TOKENS:
+            return None
         size = llama.llama_state_seq_get_size(self._ctx, slot.seq_id)
         state = np.empty(size, dtype=np.uint8)  # not zero-filled: it is written over at once
         if llama.llama_state_seq_get_data(self._ctx, state.ctypes.data_as(_BYTES), size, slot.seq_id) == 0:
-            return
-        self.stats.host_saves += 1
-        self.stats.host_evictions += self._prompt_cache.insert(CachedSequence(list(tokens), state))
+            return None
+        return state
 
     def _restore(self, slot: Slot, entry: CachedSequence) -> bool:
         llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
@@ -415,14 +460,16 @@ class Engine:
         stats.cached_tokens += reused
         if source == "host":
             stats.host_hits += 1
+        elif source == "disk":
+            stats.disk_hits += 1
         elif source == "slot":
             stats.slot_hits += 1
         else:
             stats.misses += 1
         logger.info(
-            "slot %d: %d prompt tokens, %d cached (%s); totals: %d slot hits, %d host hits, %d misses",
-            slot.seq_id, len(request.prompt_tokens), reused, source,
-            stats.slot_hits, stats.host_hits, stats.misses,
+            "slot %d: %d prompt tokens, %d cached (%s); totals: %d slot hits, %d host hits, %d disk hits, "
+            "%d misses", slot.seq_id, len(request.prompt_tokens), reused, source,
+            stats.slot_hits, stats.host_hits, stats.disk_hits, stats.misses,
         )
 
     def _step(self) -> list[GenerationOutput]:
@@ -493,6 +540,10 @@ class Engine:
         return outputs
 
     def _accept_token(self, slot: Slot, token: int) -> GenerationOutput:
+        if token == NO_TOKEN:  # the grammar has no way forward: end the answer where it is
+            logger.warning("request %s: its grammar allows no next token; ending the answer", slot.request.request_id)
+            text, _ = slot.finish_text()
+            return self._finish(slot, FinishReason.STOP, text, [], None)
         slot.n_generated += 1
         if token in self.model.eog_token_ids:
             text, _ = slot.finish_text()
@@ -502,7 +553,11 @@ class Engine:
         if top_n is not None:
             logits = llama.llama_get_logits_ith(self._ctx, slot.batch_index)
             logprobs = [token_logprob(logits, self.model.n_vocab, token, top_n)]
-        text, stopped = slot.stop_matcher.push(slot.detokenizer.push(token))
+        piece = slot.detokenizer.push(token)
+        if slot.sampler.watching:
+            slot.watched_text += piece
+            slot.sampler.observe(slot.watched_text)
+        text, stopped = slot.stop_matcher.push(piece)
         if stopped:
             return self._finish(slot, FinishReason.STOP, text, [token], logprobs)
         if slot.n_generated >= slot.max_tokens:
@@ -546,7 +601,7 @@ class Engine:
     def _fail_all(self, message: str) -> list[GenerationOutput]:
         outputs = [
             GenerationOutput(r.request_id, finish_reason=FinishReason.ERROR, error=message)
-            for r in list(self._waiting) + self._inbox
+            for r, _ in list(self._waiting) + self._inbox
         ]
         self._waiting.clear()
         self._inbox.clear()

@@ -1,39 +1,49 @@
-"""GBNF grammars compiled once per model and cloned into each slot's sampler chain."""
+"""GBNF grammars: what a request asks for (GrammarSpec), compiled once per vocabulary
+(GrammarCompiler, off the event loop and bounded), and cloned into each slot's sampler.
+
+A grammar may be lazy: it constrains nothing until the generated text reaches one of its
+triggers (a tool call's opening tag, the end of the reasoning). Triggers are watched here, in
+Python, and the grammar is armed only with text it accepts, token by token; llama.cpp's own lazy
+grammars throw a C++ exception (which kills the process) when a trigger arrives inside a token
+carrying text the grammar refuses.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import threading
-from collections import OrderedDict
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llama_cpp.llama_cpp as llama
 
+from fastrun_cpp.engine.cache import ByteLRU
 from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.sampling import Candidates
+from fastrun_cpp.structured.spec import GrammarSpec
 
 
 class GrammarError(ValueError):
-    """llama.cpp could not parse the grammar."""
+    """llama.cpp could not parse the grammar, or it is too costly to run."""
 
 
 class CompiledGrammar:
-    """A parsed grammar for one vocabulary. `instantiate()` clones it for a request (cloning
-    copies the parsed rules: nothing is parsed again).
+    """A parsed grammar for one vocabulary; `instantiate()` clones it for a request (the
+    parsed rules are copied, nothing is parsed again)."""
 
-    With `lazy_patterns` the grammar is lazy: it constrains nothing until the generated text
-    matches one of the regexes, and then applies from the start of that match's first group
-    (llama.cpp's trigger mechanism, used for tool calls in `auto` mode).
-    """
-
-    def __init__(self, model: LlamaModel, gbnf: str, lazy_patterns: tuple[str, ...] = ()) -> None:
-        if lazy_patterns:
-            patterns = (ctypes.c_char_p * len(lazy_patterns))(*(p.encode("utf-8") for p in lazy_patterns))
-            self._prototype = llama.llama_sampler_init_grammar_lazy_patterns(
-                model.vocab, gbnf.encode("utf-8"), b"root", patterns, len(lazy_patterns), None, 0
-            )
-        else:
-            self._prototype = llama.llama_sampler_init_grammar(model.vocab, gbnf.encode("utf-8"), b"root")
+    def __init__(self, model: LlamaModel, spec: GrammarSpec) -> None:
+        self.spec = spec
+        self._prototype = llama.llama_sampler_init_grammar(model.vocab, spec.gbnf.encode("utf-8"), b"root")
         if not self._prototype:
             raise GrammarError("the grammar could not be parsed by llama.cpp")
+        # The parsed form takes a few times the text's size; a bound for the cache, not a measure.
+        self.nbytes = 8 * len(spec.gbnf) + 4096
+
+    @property
+    def triggers(self) -> tuple[Trigger, ...]:
+        return self.spec.triggers
 
     def instantiate(self) -> llama.llama_sampler_p:
         return llama.llama_sampler_clone(self._prototype)
@@ -44,28 +54,168 @@ class CompiledGrammar:
             self._prototype = None
 
 
-class GrammarCache:
-    """Compiled grammars by their GBNF text, least recently used dropped past `capacity`.
+@dataclass(frozen=True)
+class GrammarLimits:
+    max_gbnf_bytes: int = 1 << 20  # grammar text
+    max_nesting: int = 128  # parenthesised groups inside each other (llama.cpp recurses per level)
+    max_first_step_ms: float = 100.0  # masking the whole vocabulary once, in the initial state
+    compile_timeout_s: float = 10.0
+    cache_bytes: int = 64 << 20
+    workers: int = 2
 
-    Requests hold their own reference, so an evicted grammar lives until they end.
+
+class GrammarCompiler:
+    """Compiles grammars for one vocabulary in a bounded pool of its own (never the event loop's
+    default one), caches them by text within a byte budget, and refuses grammars that are too
+    big, too deeply nested, or whose first step already costs too much (a grammar whose
+    per-token cost explodes would stall every request decoding beside it)."""
+
+    def __init__(self, model: LlamaModel, limits: GrammarLimits | None = None) -> None:
+        self._model = model
+        self.limits = limits or GrammarLimits()
+        self._cache: ByteLRU[GrammarSpec, CompiledGrammar] = ByteLRU(self.limits.cache_bytes)
+        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="fastrun-grammar")
+        self._local = threading.local()
+        self.stuck = 0  # compilations abandoned past their time limit (their threads are lost)
+
+    async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar of `spec`; raises GrammarError."""
+        grammar = self._cache.get(spec)
+        if grammar is not None:
+            return grammar
+        check_gbnf(spec.gbnf, self.limits)
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, spec)
+        try:
+            grammar = await asyncio.wait_for(asyncio.shield(future), self.limits.compile_timeout_s)
+        except asyncio.TimeoutError:
+            self.stuck += 1
+            raise GrammarError(f"the grammar took over {self.limits.compile_timeout_s:g} s to compile") from None
+        self._cache.put(spec, grammar, grammar.nbytes)
+        return grammar
+
+    def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The same, blocking (for the engine's own thread or tests)."""
+        grammar = self._cache.get(spec)
+        if grammar is None:
+            check_gbnf(spec.gbnf, self.limits)
+            grammar = self._compile(spec)
+            self._cache.put(spec, grammar, grammar.nbytes)
+        return grammar
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        grammar = CompiledGrammar(self._model, spec)
+        self._probe(grammar)
+        return grammar
+
+    def _probe(self, grammar: CompiledGrammar) -> None:
+        candidates = getattr(self._local, "candidates", None)
+        if candidates is None:
+            candidates = self._local.candidates = Candidates(self._model.n_vocab)
+        sampler = grammar.instantiate()
+        try:
+            logits = (ctypes.c_float * self._model.n_vocab)()
+            started = time.perf_counter()
+            llama.llama_sampler_apply(sampler, candidates.fill(logits))
+            elapsed_ms = (time.perf_counter() - started) * 1000
+        finally:
+            llama.llama_sampler_free(sampler)
+        if elapsed_ms > self.limits.max_first_step_ms:
+            raise GrammarError(
+                f"the grammar is too costly to run: its first step took {elapsed_ms:.0f} ms "
+                f"(limit {self.limits.max_first_step_ms:g} ms); simplify its patterns or repetitions"
+            )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_gbnf(gbnf: str, limits: GrammarLimits) -> None:
+    """Refuse grammar text llama.cpp should never see: too large, or nested deeper than its
+    recursive parser survives."""
+    size = len(gbnf.encode("utf-8"))
+    if size > limits.max_gbnf_bytes:
+        raise GrammarError(f"the grammar is {size} bytes, over the limit of {limits.max_gbnf_bytes}")
+    depth = deepest = 0
+    index, length = 0, len(gbnf)
+    while index < length:
+        char = gbnf[index]
+        if char == '"':  # a literal: skip to its closing quote
+            index += 1
+            while index < length and gbnf[index] != '"':
+                index += 2 if gbnf[index] == "\\" else 1
+        elif char == "[":  # a character class
+            index += 1
+            while index < length and gbnf[index] != "]":
+                index += 2 if gbnf[index] == "\\" else 1
+        elif char == "#":  # a comment
+            while index < length and gbnf[index] != "\n":
+                index += 1
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth -= 1
+        index += 1
+    if deepest > limits.max_nesting:
+        raise GrammarError(f"the grammar nests {deepest} groups deep, over the limit of {limits.max_nesting}")
+
+
+class LazyGrammar:
+    """A slot's grammar while it waits for a trigger, then the armed sampler.
+
+    `observe(text)` is given all generated text so far, after every token; once a trigger
+    appears, the grammar is armed with the text from the trigger on, fed token by token only as
+    far as the grammar accepts it. Text it refuses means the model did not start what the
+    grammar describes: the grammar then stays off for good (the parsers treat the text as text).
     """
 
-    def __init__(self, model: LlamaModel, capacity: int = 128) -> None:
+    def __init__(self, grammar: CompiledGrammar, model: LlamaModel, candidates: Candidates) -> None:
+        self._grammar = grammar
         self._model = model
-        self._capacity = capacity
-        self._grammars: OrderedDict[tuple[str, tuple[str, ...]], CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
+        self._candidates = candidates
+        self._longest = max(len(t.text) for t in grammar.triggers)
+        self._scanned = 0  # text before this index holds no trigger start
+        self.done = False  # armed or given up: nothing more to watch
 
-    def compile(self, gbnf: str, lazy_patterns: tuple[str, ...] = ()) -> CompiledGrammar:
-        key = (gbnf, lazy_patterns)
-        with self._lock:
-            grammar = self._grammars.get(key)
-            if grammar is not None:
-                self._grammars.move_to_end(key)
-                return grammar
-        grammar = CompiledGrammar(self._model, gbnf, lazy_patterns)
-        with self._lock:
-            self._grammars[key] = grammar
-            while len(self._grammars) > self._capacity:
-                self._grammars.popitem(last=False)
-        return grammar
+    def observe(self, text: str) -> llama.llama_sampler_p | None:
+        """An armed sampler when a trigger has just appeared in `text`, else None."""
+        if self.done:
+            return None
+        found = self._find(text)
+        if found is None:
+            self._scanned = max(self._scanned, len(text) - self._longest + 1)
+            return None
+        self.done = True
+        return self._arm(text[found:])
+
+    def _find(self, text: str) -> int | None:
+        """Where the grammar starts, if a trigger is in the text."""
+        best: int | None = None
+        blank = len(text) - len(text.lstrip())
+        head = text[blank:]
+        waiting = False  # whether some trigger may still come
+        for trigger in self._grammar.triggers:
+            if trigger.at_start:
+                if not head.startswith(trigger.text):
+                    waiting = waiting or trigger.text.startswith(head)
+                    continue
+                index = blank
+            else:
+                waiting = True
+                index = text.find(trigger.text, max(0, self._scanned))
+                if index < 0:
+                    continue
+            start = index + len(trigger.text) if trigger.after else index
+            best = start if best is None else min(best, start)
+        if best is None and not waiting:
+            self.done = True
+        return best
+
+    def _arm(self, text: str) -> llama.llama_sampler_p | None:
+        sampler = self._grammar.instantiate()
+        for token in self._model.tokenize(text, add_special=False, parse_special=True) if text else ():
+            if not self._candidates.allows(sampler, token):
+                llama.llama_sampler_free(sampler)
+                return None
+            llama.llama_sampler_accept(sampler, token)
+        return sampler

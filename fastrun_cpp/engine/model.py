@@ -45,10 +45,16 @@ class LlamaModel:
         main_gpu: int = 0,
         split_mode: str = "layer",
         tensor_split: list[float] | None = None,
+        repack: bool = True,
+        vocab_only: bool = False,
     ) -> None:
         init_backend()
         self.path = Path(path)
         params = llama.llama_model_default_params()
+        # Repacked weights (llama.cpp's "extra buffer types") are faster, but their kernels
+        # compute a row differently depending on how many rows are in the batch.
+        params.use_extra_bufts = repack
+        params.vocab_only = vocab_only
         params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 2**31 - 1  # -1: all
         params.main_gpu = main_gpu
         params.split_mode = _SPLIT_MODES[split_mode]
@@ -80,6 +86,7 @@ class LlamaModel:
         self.eog_token_ids: frozenset[int] = frozenset(
             token for token in range(self.n_vocab) if llama.llama_vocab_is_eog(self._vocab, token)
         )
+        self.max_token_bytes = max(map(len, self.token_bytes_special), default=1)
         self.chat_template: str | None = self._chat_template()
         self.description = self.metadata("general.name") or self.path.stem
 

@@ -5,14 +5,14 @@ that fails is taken out for a while and what it failed is retried on another."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 
 from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream, RequestTimedOut
+from fastrun_cpp.engine.disk_cache import DiskPromptCache, DiskStats
 from fastrun_cpp.engine.engine import CapacityError, EngineStats
-from fastrun_cpp.engine.grammar import CompiledGrammar
-from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class PoolStream:
                     raise
                 self._replica.take_out()
                 logger.warning("replica %d failed %s; trying another", self._replica.index, self.request_id)
-                retry = self._pool.retry(self._request, exclude=self._tried)
+                retry = await self._pool.retry(self._request, exclude=self._tried)
                 if retry is None:
                     raise
                 self._replica, self._inner = retry
@@ -93,16 +93,13 @@ class EnginePool:
     """The face of a model's engines; the serving layer sees the same interface as one
     AsyncEngine."""
 
-    def __init__(self, engines: list[AsyncEngine]) -> None:
+    def __init__(self, engines: list[AsyncEngine], disk_cache: DiskPromptCache | None = None) -> None:
         if not engines:
             raise ValueError("a pool needs at least one engine")
         self._replicas = [_Replica(i, engine) for i, engine in enumerate(engines)]
+        self.disk_cache = disk_cache  # shared by the replicas
 
     # ------------------------------------------------------------------ what one engine offers
-
-    @property
-    def model(self) -> LlamaModel:
-        return self._replicas[0].engine.model
 
     @property
     def replicas(self) -> int:
@@ -113,16 +110,16 @@ class EnginePool:
         return sum(r.engine.slots for r in self._replicas)
 
     @property
-    def max_context(self) -> int:
-        return self._replicas[0].engine.max_context
-
-    @property
     def stats(self) -> EngineStats:
         total = EngineStats()
         for replica in self._replicas:
             for field in dataclasses.fields(EngineStats):
                 setattr(total, field.name, getattr(total, field.name) + getattr(replica.engine.stats, field.name))
         return total
+
+    @property
+    def disk_stats(self) -> DiskStats | None:
+        return self.disk_cache.stats if self.disk_cache is not None and self.disk_cache.enabled else None
 
     def load(self) -> tuple[int, int]:
         busy = waiting = 0
@@ -131,38 +128,36 @@ class EnginePool:
             busy, waiting = busy + b, waiting + w
         return busy, waiting
 
-    def replica_load(self) -> list[dict[str, object]]:
+    def replica_status(self) -> list[dict[str, object]]:
         status = []
         for replica in self._replicas:
             busy, waiting = replica.engine.load()
             status.append({"busy_slots": busy, "waiting": waiting, "healthy": replica.healthy})
         return status
 
-    def check_prompt(self, n_prompt_tokens: int) -> None:
-        self._replicas[0].engine.check_prompt(n_prompt_tokens)
-
-    def compile_grammar(self, gbnf: str, lazy_patterns: tuple[str, ...] = ()) -> CompiledGrammar:
-        return self._replicas[0].engine.compile_grammar(gbnf, lazy_patterns)
-
-    def submit(self, request: GenerationRequest) -> PoolStream | RequestStream:
-        replica, stream = self._submit(request, exclude=set())
+    async def submit(self, request: GenerationRequest) -> PoolStream | RequestStream:
+        replica, stream = await self._submit(request, exclude=set())
         if len(self._replicas) == 1:
             return stream
         return PoolStream(self, request, replica, stream)
 
-    def retry(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream] | None:
+    async def retry(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream] | None:
         try:
-            return self._submit(request, exclude=exclude)
+            return await self._submit(request, exclude=exclude)
         except EngineError:
             return None
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """Stop every replica (each keeps its slots' prefixes in the disk tier), then wait for
+        the disk writes."""
         for replica in self._replicas:
-            replica.engine.shutdown()
+            await asyncio.to_thread(replica.engine.shutdown)
+        if self.disk_cache is not None:
+            await asyncio.to_thread(self.disk_cache.close)
 
     # ------------------------------------------------------------------ routing
 
-    def _submit(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream]:
+    async def _submit(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream]:
         candidates = [r for r in self._replicas if r.index not in exclude and r.healthy]
         if not candidates:
             candidates = [r for r in self._replicas if r.index not in exclude]  # all down: try anyway
@@ -181,7 +176,7 @@ class EnginePool:
         retry_after = None
         for replica in ranked:
             try:
-                return replica, replica.engine.submit(request)
+                return replica, await replica.engine.submit(request)
             except CapacityError as exc:  # this one is full: the next may not be
                 retry_after = exc.retry_after_s if retry_after is None else min(retry_after, exc.retry_after_s)
         raise CapacityError(retry_after or 1)

@@ -16,6 +16,7 @@ from fastrun_cpp.engine.tokens import common_prefix_length
 class CachedSequence:
     tokens: list[int]  # the sequence's KV holds exactly these, from position 0
     state: np.ndarray  # llama_state_seq_get_data() bytes
+    source: str = "host"  # "disk" when loaded from the disk tier
     key: int = field(default_factory=count().__next__)
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from fastrun_cpp.engine.grammar import CompiledGrammar
+from fastrun_cpp.structured.spec import GrammarSpec
 from fastrun_cpp.engine.logprobs import TokenLogprob
 from fastrun_cpp.engine.sampling import SamplingParams
 
@@ -29,7 +29,7 @@ class GenerationRequest:
     max_tokens: int | None = None  # None: until the context window is full
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; N: the sampled token's logprob and the N most likely
-    grammar: CompiledGrammar | None = None  # constrains every generated token
+    grammar: GrammarSpec | None = None  # constrains the answer (from its trigger, if lazy)
     render_special_tokens: bool = False  # spell out control tokens in the text (for parsers)
 
 

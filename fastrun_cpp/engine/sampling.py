@@ -72,6 +72,11 @@ class Candidates:
     def selected(self) -> int:
         return int(self._all["id"][self._all_array.selected])
 
+    def selected_is_possible(self) -> bool:
+        """Whether the selected token survived the masks (a grammar with no way forward masks
+        every token, and a sampler then still selects one)."""
+        return math.isfinite(float(self._all["logit"][self._all_array.selected]))
+
     def allows(self, grammar: llama.llama_sampler_p, token: int) -> bool:
         """Whether the grammar, in its current state, accepts `token` next."""
         self._one[0] = (token, 0.0, 0.0)
@@ -82,11 +87,15 @@ class Candidates:
         return math.isfinite(float(self._one["logit"][0]))
 
 
+NO_TOKEN = -1  # sample(): the grammar allows no token at all
+
+
 class SamplerChain:
     """A llama.cpp sampler chain owned by one slot for the life of one request.
 
     Order (llama.cpp's own): [grammar] -> penalties -> top_k -> top_p -> min_p -> temperature
-    -> dist. Temperature 0 replaces the last four with greedy argmax.
+    -> dist. Temperature 0 replaces the last four with greedy argmax. A lazy grammar joins
+    once its trigger appears (`observe`).
     """
 
     def __init__(
@@ -96,9 +105,11 @@ class SamplerChain:
         n_vocab: int,
         penalty_window: int,
         grammar: llama.llama_sampler_p | None = None,
+        lazy_grammar=None,
     ) -> None:
         self.params = params
         self._grammar = grammar  # owned here, kept out of the chain (see sample())
+        self._lazy = lazy_grammar  # a grammar.LazyGrammar waiting for its trigger
         self._chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         self._penalties = None
         if params.penalized:
@@ -127,6 +138,17 @@ class SamplerChain:
     def _add(self, sampler: llama.llama_sampler_p) -> None:
         llama.llama_sampler_chain_add(self._chain, sampler)  # the chain now owns it
 
+    @property
+    def watching(self) -> bool:
+        """Whether a lazy grammar still waits for its trigger."""
+        return self._lazy is not None and not self._lazy.done
+
+    def observe(self, text: str) -> None:
+        """All the text generated so far: arms a lazy grammar once its trigger appears."""
+        armed = self._lazy.observe(text)
+        if armed is not None:
+            self._grammar = armed
+
     def accept_prompt(self, tokens: Iterable[int]) -> None:
         """Let the penalties see the prompt, as they see generated tokens."""
         if self._penalties is not None:
@@ -134,7 +156,8 @@ class SamplerChain:
                 llama.llama_sampler_accept(self._penalties, token)
 
     def sample(self, ctx: llama.llama_context_p, batch_index: int, candidates: Candidates) -> int:
-        """Pick and accept the next token from the logits at `batch_index` of the last decode."""
+        """Pick and accept the next token from the logits at `batch_index` of the last decode;
+        NO_TOKEN when a grammar allows none."""
         if self._grammar is None:
             return llama.llama_sampler_sample(self._chain, ctx, batch_index)
         # Masking the whole vocabulary with a grammar costs milliseconds; most tokens the model
@@ -148,6 +171,8 @@ class SamplerChain:
             array = candidates.fill(logits)
             llama.llama_sampler_apply(self._grammar, array)
             llama.llama_sampler_apply(self._chain, array)
+            if not candidates.selected_is_possible():
+                return NO_TOKEN  # accepting a refused token would throw inside llama.cpp
             token = candidates.selected()
         llama.llama_sampler_accept(self._grammar, token)
         llama.llama_sampler_accept(self._chain, token)

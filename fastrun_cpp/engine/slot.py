@@ -27,6 +27,7 @@ class Slot:
         self.sampler: SamplerChain | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.stop_matcher: StopMatcher | None = None
+        self.watched_text = ""  # generated text, kept while a lazy grammar watches for its trigger
 
     @property
     def is_free(self) -> bool:
@@ -62,6 +63,7 @@ class Slot:
         self.sampler = sampler
         self.detokenizer = IncrementalDetokenizer(token_bytes)
         self.stop_matcher = StopMatcher(request.stop)
+        self.watched_text = ""
 
     def output(self, **fields) -> GenerationOutput:
         assert self.request is not None
@@ -88,6 +90,7 @@ class Slot:
         self.sampler = None
         self.detokenizer = None
         self.stop_matcher = None
+        self.watched_text = ""
         self.pending_token = None
         self.batch_index = -1
         self.last_used = clock

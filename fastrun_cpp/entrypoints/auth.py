@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 import ipaddress
 import logging
 
@@ -48,6 +49,8 @@ class Authenticator:
         self._snapshot: KeySnapshot | None = None
         self._error: str | None = None
         self._task: asyncio.Task | None = None
+        # A thread of its own: requests cannot use it up and leave keys unrefreshed.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="fastrun-keys")
 
     def load(self) -> None:
         """Read the store now (blocking); remembers the error if it is unreadable."""
@@ -68,8 +71,11 @@ class Authenticator:
     def is_open(self) -> bool:
         return self.disabled or (self.allow_open and self.store_is_empty)
 
+    async def _load_off_loop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._reader, self.load)
+
     async def start(self) -> None:
-        await asyncio.to_thread(self.load)
+        await self._load_off_loop()
         self._task = asyncio.create_task(self._refresh_forever())
 
     async def stop(self) -> None:
@@ -79,7 +85,7 @@ class Authenticator:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_s)
-            await asyncio.to_thread(self.load)
+            await self._load_off_loop()
 
     def authenticate(self, authorization: str | None) -> ActiveKey | None:
         """The key's record, None when no key is needed; raises AuthError otherwise."""

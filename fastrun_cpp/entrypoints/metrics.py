@@ -54,6 +54,12 @@ class _EngineCollector(Collector):
             "fastrun_prompt_cache_lookups", "Prefix-cache lookups by outcome (slot, host, miss).",
             labels=["model", "outcome"],
         )
+        disk_bytes = GaugeMetricFamily("fastrun_prompt_cache_disk_bytes", "Bytes of the disk prompt cache.",
+                                       labels=["model"])
+        disk_events = CounterMetricFamily(
+            "fastrun_prompt_cache_disk", "Disk prompt-cache events (hit, miss, write, eviction, skipped file).",
+            labels=["model", "event"],
+        )
         for model_id, engine in self._engines():
             busy_slots, waiting = engine.load()
             slots.add_metric([model_id], engine.slots)
@@ -62,5 +68,12 @@ class _EngineCollector(Collector):
             stats = engine.stats
             hits.add_metric([model_id, "slot"], stats.slot_hits)
             hits.add_metric([model_id, "host"], stats.host_hits)
+            hits.add_metric([model_id, "disk"], stats.disk_hits)
             hits.add_metric([model_id, "miss"], stats.misses)
-        yield from (slots, busy, queue, hits)
+            disk = engine.disk_stats
+            if disk is not None:
+                disk_bytes.add_metric([model_id], disk.bytes)
+                for event, value in (("hit", disk.hits), ("miss", disk.misses), ("write", disk.writes),
+                                     ("eviction", disk.evictions), ("skipped", disk.skipped)):
+                    disk_events.add_metric([model_id, event], value)
+        yield from (slots, busy, queue, hits, disk_bytes, disk_events)

@@ -7,7 +7,7 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from fastrun_cpp.engine import RequestStream
+from fastrun_cpp.runtime import EngineStream
 
 
 @dataclass
@@ -21,9 +21,9 @@ class RequestRecord:
     completion_tokens: int = 0
     ttft_s: float | None = None
     error_type: str | None = None  # also set for errors sent inside a started stream
-    streams: list[RequestStream] = field(default_factory=list)
+    streams: list[EngineStream] = field(default_factory=list)
 
-    def track(self, stream: RequestStream) -> None:
+    def track(self, stream: EngineStream) -> None:
         self.streams.append(stream)
 
     def close_streams(self) -> None:

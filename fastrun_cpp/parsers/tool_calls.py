@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from fastrun_cpp.structured.spec import Trigger
 from fastrun_cpp.parsers.json_scan import JSONScanError, object_members, skip_ws, value_end
 from fastrun_cpp.parsers.text import find_first, partial_suffix
 
@@ -65,9 +65,9 @@ class ToolParser(ABC):
         """GBNF of the whole answer: `at_least`..`at_most` calls in this format."""
         raise UnsupportedToolChoice(f"forcing tool calls is not supported for the {self.name} format")
 
-    def lazy_trigger_patterns(self) -> list[str]:
-        """Regexes whose first group starts where the call grammar takes over (auto mode)."""
-        return [rf"[\s\S]*?({re.escape(trigger)}[\s\S]*)" for trigger in self.triggers]
+    def lazy_triggers(self) -> tuple[Trigger, ...]:
+        """Where the call grammar takes over in `auto` mode: at a call's opening text."""
+        return tuple(Trigger(trigger) for trigger in self.triggers)
 
     def system_prompt(self, tools: list[ToolFunction]) -> str | None:
         """Instructions to put in the system prompt when the chat template cannot show tools."""
@@ -212,8 +212,8 @@ class Llama3JsonToolParser(ToolParser):
     def calls_grammar(self, call_rule: str, *, at_least: int, at_most: int | None) -> str:
         return call_rule if at_most == 1 else f'{call_rule} ("; " {call_rule})*'
 
-    def lazy_trigger_patterns(self) -> list[str]:
-        return [r"\s*(<\|python_tag\|>[\s\S]*)", r"\s*(\{[\s\S]*)"]
+    def lazy_triggers(self) -> tuple[Trigger, ...]:
+        return (Trigger("<|python_tag|>", at_start=True), Trigger("{", at_start=True))
 
 
 class MistralToolParser(ToolParser):

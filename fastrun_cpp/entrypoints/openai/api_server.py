@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -17,10 +18,6 @@ from sse_starlette import EventSourceResponse
 
 from fastrun_cpp import __version__
 from fastrun_cpp.auth import KeyStore
-from fastrun_cpp.chat import ChatTemplate
-from fastrun_cpp.engine import AsyncEngine, EngineConfig, Faults, LlamaModel
-from fastrun_cpp.engine.model import gpu_offload_available
-from fastrun_cpp.engine.pool import EnginePool
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.middleware import (
@@ -41,8 +38,8 @@ from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.openai.utils import ClientDisconnected, cancel_on_disconnect
-from fastrun_cpp.parsers import select_reasoning_parser, select_tool_parser
-from fastrun_cpp.registry import ModelConfig, registry_from_settings
+from fastrun_cpp.registry import registry_from_settings
+from fastrun_cpp.runtime import load_local_runtime
 from fastrun_cpp.settings import Settings
 
 logger = logging.getLogger("fastrun_cpp")
@@ -126,72 +123,13 @@ async def ready(models: Annotated[OpenAIServingModels, Depends(serving_models)])
     return JSONResponse({"status": "not ready", "models": status}, status_code=503, headers={"Retry-After": "5"})
 
 
-def engine_config(config: ModelConfig, settings: Settings) -> EngineConfig:
-    return EngineConfig(
-        slots=config.slots,
-        ctx_size=config.ctx_size,
-        batch_size=max(config.batch_size, config.slots),
-        threads=config.threads or settings.threads,
-        prompt_cache_mib=config.prompt_cache_mib,
-        max_queue=config.max_queue,
-        swa_full=config.swa_full,
-        flash_attn=config.gpu.flash_attn,
-        cache_type_k=config.gpu.cache_type_k,
-        cache_type_v=config.gpu.cache_type_v,
-    )
-
-
-def load_weights(config: ModelConfig, path) -> list[LlamaModel]:
-    """The weights each replica uses: one copy per GPU for GPU replicas, one shared copy
-    otherwise (replicas on the CPU, or several replicas on one GPU)."""
-    gpu = config.gpu
-    if config.gpus and gpu_offload_available():
-        return [LlamaModel(path, n_gpu_layers=gpu.n_gpu_layers, main_gpu=device, split_mode="none")
-                for device in config.gpus]
-    if config.gpus:
-        logger.warning("%s asks for GPUs %s, but this llama.cpp build has no GPU backend: serving on the CPU",
-                       config.id, config.gpus)
-    model = LlamaModel(path, n_gpu_layers=gpu.n_gpu_layers, main_gpu=gpu.main_gpu, split_mode=gpu.split_mode,
-                       tensor_split=gpu.tensor_split)
-    return [model] * config.replica_count
-
-
-async def load_model(settings: Settings, served: ServedModel, faults_spec: str) -> None:
-    """Pull (if from the Hub) and load the GGUF, start its engines; marks the model ready, or
-    failed with the reason."""
-    config = served.config
+async def load_model(settings: Settings, served: ServedModel) -> None:
+    """Pull (if from the Hub) and load the model and start its engines; marks the model ready,
+    or failed with the reason."""
     try:
-        load_delay = Faults.parse(faults_spec).load_delay_s
-        if load_delay:
-            await asyncio.sleep(load_delay)
-        path = await asyncio.to_thread(config.resolve_path)
-        weights = await asyncio.to_thread(load_weights, config, path)
-        model = weights[0]
-        engine_settings = engine_config(config, settings)
-        if engine_settings.ctx_size > model.n_ctx_train:
-            logger.warning(
-                "ctx_size %d exceeds the %d tokens %s was trained on; answers may degrade past that",
-                engine_settings.ctx_size, model.n_ctx_train, served.id,
-            )
-        template_source = model.chat_template
-        if config.chat_template_file is not None:
-            template_source = config.chat_template_file.read_text(encoding="utf-8")
-        if template_source is None:
-            logger.warning("%s has no chat template; using ChatML", served.id)
-        chat_template = ChatTemplate(template_source, bos_token=model.bos_text, eos_token=model.eos_text)
-        tool_parser = select_tool_parser(template_source, config.tool_parser)
-        reasoning_parser = select_reasoning_parser(template_source, config.reasoning_parser)
-        pool = EnginePool([
-            AsyncEngine(weights[i], engine_settings, Faults.parse(faults_spec, replica=i))
-            for i in range(len(weights))
-        ])
-        served.ready(pool, chat_template, tool_parser, reasoning_parser)
-        logger.info(
-            "serving %s (%s): %d x %d slots x %d-token context, batch %d, %d threads; tool calls: %s, reasoning: %s",
-            served.id, path, pool.replicas, engine_settings.slots, engine_settings.ctx_size,
-            engine_settings.batch_size, engine_settings.threads, tool_parser.name,
-            reasoning_parser.name if reasoning_parser else "none",
-        )
+        runtime = await load_local_runtime(served.config, threads=settings.threads, faults_spec=settings.debug_faults,
+                                           prompt_cache_dir=settings.prompt_cache_dir)
+        served.ready(runtime)
     except Exception as exc:  # a model that cannot load makes the server say 503, not crash
         logger.exception("could not load %s", served.id)
         served.failed(str(exc) or type(exc).__name__)
@@ -212,6 +150,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     models = OpenAIServingModels([ServedModel(id=config.id, config=config) for config in registry.models])
     metrics = ServerMetrics(models.engines) if settings.metrics else None
     serving_options = dict(
+        prompt_pool=ThreadPoolExecutor(4, thread_name_prefix="fastrun-prompt"),
         metrics=metrics,
         request_timeout_s=settings.request_timeout_s,
         stream_timeout_s=settings.stream_timeout_s,
@@ -228,7 +167,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
             logger.warning("NO API KEYS: the key store %s is empty, so this loopback server is open to "
                            "every local user; create one with `fastrun-cpp keys create --account NAME`",
                            settings.keys_db)
-        loading = [asyncio.create_task(load_model(settings, served, settings.debug_faults)) for served in models]
+        loading = [asyncio.create_task(load_model(settings, served)) for served in models]
         try:
             yield
         finally:
@@ -236,9 +175,8 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
                 task.cancel()
             await authenticator.stop()
             for served in models:
-                if served.engine is not None:
-                    await asyncio.to_thread(served.engine.shutdown)
-                    served.engine.model.close()
+                if served.runtime is not None:
+                    await served.runtime.close()
 
     app = FastAPI(title="fastrun-cpp", version=__version__, lifespan=lifespan)
     app.state.settings = settings

@@ -9,8 +9,8 @@ import logging
 from typing import Any, AsyncIterator
 
 from fastrun_cpp.chat import ChatTemplateError
-from fastrun_cpp.engine import FinishReason, GenerationRequest, RequestStream
-from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarError
+from fastrun_cpp.engine import FinishReason, GenerationRequest
+from fastrun_cpp.structured.spec import GrammarSpec
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.logprobs import chat_logprobs
 from fastrun_cpp.entrypoints.openai.protocol import (
@@ -103,11 +103,12 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest
     ) -> ChatCompletion | AsyncIterator[str]:
         served = self.served_model(request.model)
-        tool_parser = self._tool_parser(served, request)
+        runtime = served.runtime
+        tool_parser = self._tool_parser(runtime, request)
         forced_calls = tool_parser is not None and request.tool_choice not in (None, "auto")
         # Forced calls are constrained from the first token: no room for thinking.
-        reasoning_parser = None if forced_calls else served.reasoning_parser
-        prompt = self._render(served, request, tool_parser)
+        reasoning_parser = None if forced_calls else runtime.reasoning_parser
+        prompt = await self.in_prompt_pool(self._render, served, request, tool_parser)
         grammar = await self._tool_grammar(served, request, tool_parser)
         if grammar is None:
             grammar = await self.response_grammar(served, request.response_format)
@@ -127,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
             starts_in_reasoning=reasoning_parser is not None and reasoning_parser.starts_in_reasoning(prompt),
             tools=tool_parser,
         )
-        stream = self.submit(served, generation, streaming=request.stream)
+        stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self._stream(served, request, generation, stream, parser, include_usage)
@@ -136,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------------ prompt
 
     @staticmethod
-    def _tool_parser(served: ServedModel, request: ChatCompletionRequest) -> ToolParser | None:
+    def _tool_parser(runtime, request: ChatCompletionRequest) -> ToolParser | None:
         """The model's tool-call parser when this request offers tools."""
         if not request.tools or request.tool_choice == "none":
             return None
@@ -144,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
             names = {tool.function.name for tool in request.tools}
             if request.tool_choice.function.name not in names:
                 raise bad_request(f"tool_choice names {request.tool_choice.function.name!r}, which is not in tools")
-        return served.tool_parser
+        return runtime.tool_parser
 
     @staticmethod
     def _thinking_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
@@ -157,7 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         return {**kwargs, **(request.chat_template_kwargs or {})}
 
     def _render(self, served: ServedModel, request: ChatCompletionRequest, tool_parser: ToolParser | None) -> str:
-        tools_as_text = isinstance(served.tool_parser, FallbackToolParser)
+        tools_as_text = isinstance(served.runtime.tool_parser, FallbackToolParser)
         messages = template_messages(request.messages, tools_as_text=tools_as_text)
         template_tools = None
         if tool_parser is not None:
@@ -168,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
             else:
                 template_tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         try:
-            return served.chat_template.render(messages, tools=template_tools, template_kwargs=self._thinking_kwargs(request))
+            return served.runtime.chat_template.render(messages, tools=template_tools, template_kwargs=self._thinking_kwargs(request))
         except ChatTemplateError as exc:
             raise bad_request(str(exc)) from exc
 
@@ -182,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _tool_grammar(
         self, served: ServedModel, request: ChatCompletionRequest, tool_parser: ToolParser | None
-    ) -> CompiledGrammar | None:
+    ) -> GrammarSpec | None:
         """`required` and a named function force calls from the first token; `auto` arms a lazy
         grammar that takes over once the model starts a call, so every call is well formed."""
         if tool_parser is None:
@@ -204,14 +205,14 @@ class OpenAIServingChat(OpenAIServing):
                 tool_parser.call_grammar,
                 lambda call: tool_parser.calls_grammar(call, at_least=1, at_most=at_most),
             )
-            patterns = tuple(tool_parser.lazy_trigger_patterns()) if lazy else ()
-            return await asyncio.to_thread(served.engine.compile_grammar, gbnf, patterns)
         except UnsupportedToolChoice as exc:
             if lazy:
                 return None  # calls are still parsed, just not enforced
             raise bad_request(f"tool_choice: {exc}") from exc
-        except (SchemaError, GrammarError) as exc:
+        except SchemaError as exc:
             raise bad_request(f"tools: {exc}") from exc
+        triggers = tool_parser.lazy_triggers() if lazy else ()
+        return await self.checked_grammar(served, GrammarSpec(gbnf, triggers), "tools")
 
     # ------------------------------------------------------------------ answer
 
@@ -223,7 +224,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _complete(
         self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
-        stream: RequestStream, parser: ChatOutputParser,
+        stream: EngineStream, parser: ChatOutputParser,
     ) -> ChatCompletion:
         result = await collect(self.outputs(served, stream))
         parser.feed(result.text, final=True)
@@ -234,7 +235,7 @@ class OpenAIServingChat(OpenAIServing):
         ]
         logprobs = None
         if generation.logprobs is not None:
-            logprobs = chat_logprobs(served.engine.model.token_bytes, result.logprobs or [])
+            logprobs = chat_logprobs(served.runtime.tokenizer.token_bytes, result.logprobs or [])
         content = answer.content if answer.content or not tool_calls else None
         return ChatCompletion(
             id=generation.request_id,
@@ -257,12 +258,12 @@ class OpenAIServingChat(OpenAIServing):
         served: ServedModel,
         request: ChatCompletionRequest,
         generation: GenerationRequest,
-        stream: RequestStream,
+        stream: EngineStream,
         parser: ChatOutputParser,
         include_usage: bool,
     ) -> AsyncIterator[str]:
         created = unix_time()
-        token_bytes = served.engine.model.token_bytes
+        token_bytes = served.runtime.tokenizer.token_bytes
 
         def chunk(delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
             choice = ChatCompletionChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=logprobs)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from fastrun_cpp.engine import GenerationOutput, GenerationRequest, RequestStream
+from fastrun_cpp.engine import GenerationOutput, GenerationRequest
+from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.entrypoints.openai.errors import APIError
 from fastrun_cpp.entrypoints.openai.logprobs import CompletionLogprobsBuilder
 from fastrun_cpp.entrypoints.openai.protocol import (
@@ -46,10 +47,10 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for index, prompt in enumerate(prompts)
         ]
-        streams: list[RequestStream] = []
+        streams: list[EngineStream] = []
         try:
             for generation in generations:
-                streams.append(self.submit(served, generation, streaming=request.stream))
+                streams.append(await self.submit(served, generation, streaming=request.stream))
         except APIError:
             for stream in streams:  # all prompts are served, or none
                 stream.close()
@@ -64,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         served: ServedModel,
         request: CompletionRequest,
         completion_id: str,
-        streams: list[RequestStream],
+        streams: list[EngineStream],
     ) -> Completion:
         tasks = [asyncio.ensure_future(collect(self.outputs(served, stream))) for stream in streams]
         try:
@@ -72,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:  # one prompt failed or the client left: stop the others too
             for task in tasks:
                 task.cancel()
-        token_bytes = served.engine.model.token_bytes
+        token_bytes = served.runtime.tokenizer.token_bytes
         return Completion(
             id=completion_id,
             created=unix_time(),
@@ -98,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
         served: ServedModel,
         request: CompletionRequest,
         completion_id: str,
-        streams: list[RequestStream],
+        streams: list[EngineStream],
         include_usage: bool,
     ) -> AsyncIterator[str]:
         created = unix_time()
@@ -109,7 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
             ).model_dump_json()
 
         finals: dict[int, GenerationOutput] = {}
-        builders = [CompletionLogprobsBuilder(served.engine.model.token_bytes) for _ in streams]
+        builders = [CompletionLogprobsBuilder(served.runtime.tokenizer.token_bytes) for _ in streams]
         try:
             async for index, output in merge_async_iterators(*(self.outputs(served, s) for s in streams)):
                 if output.text or output.finished or output.logprobs:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import AsyncIterator
 
 from fastrun_cpp.engine import (
@@ -16,11 +17,11 @@ from fastrun_cpp.engine import (
     GenerationOutput,
     GenerationRequest,
     PromptTooLongError,
-    RequestStream,
     RequestTimedOut,
     SamplingParams,
 )
-from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarError
+from fastrun_cpp.engine.grammar import GrammarError
+from fastrun_cpp.structured.spec import GrammarSpec
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error
 from fastrun_cpp.entrypoints.openai.protocol import (
@@ -32,6 +33,7 @@ from fastrun_cpp.entrypoints.openai.protocol import (
 )
 from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.structured import SchemaError, base_grammar, schema_to_gbnf
 
 logger = logging.getLogger(__name__)
@@ -101,8 +103,12 @@ class OpenAIServing:
         request_timeout_s: float = 600,
         stream_timeout_s: float = 3600,
         log_prompts: bool = False,
+        prompt_pool: Executor | None = None,
     ) -> None:
         self.models = models
+        # Template rendering and tokenization: off the event loop, in a bounded pool of their
+        # own, so requests cannot starve what guards the server (key refresh, health).
+        self.prompt_pool = prompt_pool or ThreadPoolExecutor(4, thread_name_prefix="fastrun-prompt")
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.stream_timeout_s = stream_timeout_s
@@ -115,16 +121,27 @@ class OpenAIServing:
             record.model = model_id
         return served
 
+    async def in_prompt_pool(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, function, *args)
+
     async def tokenize(self, served: ServedModel, text: str) -> list[int]:
-        # Off the event loop: a long prompt takes milliseconds to tokenize.
-        tokens = await asyncio.to_thread(served.engine.model.tokenize_prompt, text)
+        tokens = await self.in_prompt_pool(served.runtime.tokenizer.tokenize_prompt, text)
         try:
-            served.engine.check_prompt(len(tokens))
+            served.runtime.check_prompt(len(tokens))
         except PromptTooLongError as exc:
             raise bad_request(str(exc)) from exc
         return tokens
 
-    async def response_grammar(self, served: ServedModel, response_format: ResponseFormat | None) -> CompiledGrammar | None:
+    async def checked_grammar(self, served: ServedModel, spec: GrammarSpec, field: str) -> GrammarSpec:
+        """`spec` once llama.cpp has parsed it for this model (cached: the engine reuses it);
+        400 naming `field` when it cannot."""
+        try:
+            await served.runtime.grammars.compile(spec)
+        except GrammarError as exc:
+            raise bad_request(f"{field}: {exc}") from exc
+        return spec
+
+    async def response_grammar(self, served: ServedModel, response_format: ResponseFormat | None) -> GrammarSpec | None:
         """The grammar that enforces `response_format` (None for plain text); 400 for a schema
         that is invalid or that a grammar cannot enforce."""
         if response_format is None or response_format.type == "text":
@@ -134,19 +151,19 @@ class OpenAIServing:
                 gbnf = base_grammar("json_object")
             else:
                 gbnf = await asyncio.to_thread(schema_to_gbnf, response_format.json_schema.schema_)
-            return await asyncio.to_thread(served.engine.compile_grammar, gbnf)
         except SchemaError as exc:
             raise bad_request(f"response_format.json_schema.schema: {exc}") from exc
-        except GrammarError as exc:
-            raise bad_request(f"response_format: {exc}") from exc
+        return await self.checked_grammar(served, GrammarSpec(gbnf), "response_format")
 
-    def submit(self, served: ServedModel, request: GenerationRequest, *, streaming: bool) -> RequestStream:
+    async def submit(self, served: ServedModel, request: GenerationRequest, *, streaming: bool) -> EngineStream:
         """Queue a generation now, so a full server answers 429 before any response starts."""
         if self.log_prompts:
             logger.info("request %s prompt: %r", request.request_id,
-                        served.engine.model.detokenize(request.prompt_tokens))
+                        served.runtime.tokenizer.detokenize(request.prompt_tokens))
         try:
-            stream = served.engine.submit(request)
+            stream = await served.engine.submit(request)
+        except GrammarError as exc:
+            raise bad_request(f"the grammar: {exc}") from exc
         except CapacityError as exc:
             raise APIError(429, AT_CAPACITY, "rate_limit_error", retry_after=exc.retry_after_s) from exc
         except PromptTooLongError as exc:
@@ -159,7 +176,7 @@ class OpenAIServing:
             record.track(stream)
         return stream
 
-    async def outputs(self, served: ServedModel, stream: RequestStream) -> AsyncIterator[GenerationOutput]:
+    async def outputs(self, served: ServedModel, stream: EngineStream) -> AsyncIterator[GenerationOutput]:
         """The engine's outputs, with metrics and usage recorded, engine failures as API
         errors, and the generation aborted if the reader stops early."""
         record = current_record()

@@ -5,10 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from fastrun_cpp.chat import ChatTemplate
-from fastrun_cpp.engine.pool import EnginePool
-from fastrun_cpp.parsers import ReasoningParser, ToolParser
 from fastrun_cpp.registry import ModelConfig, SamplingDefaults
+from fastrun_cpp.runtime import EngineClient, ModelRuntime
 from fastrun_cpp.entrypoints.openai.errors import APIError, model_not_found
 from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, unix_time
 
@@ -28,10 +26,7 @@ class ServedModel:
     id: str
     config: ModelConfig | None = None
     state: ModelState = ModelState.LOADING
-    engine: EnginePool | None = None
-    chat_template: ChatTemplate | None = None
-    tool_parser: ToolParser | None = None
-    reasoning_parser: ReasoningParser | None = None  # None: the model cannot think
+    runtime: ModelRuntime | None = None
     error: str | None = None
     created: int = field(default_factory=unix_time)
 
@@ -39,17 +34,12 @@ class ServedModel:
     def sampling_defaults(self) -> SamplingDefaults:
         return self.config.defaults if self.config is not None else SamplingDefaults()
 
-    def ready(
-        self,
-        engine: EnginePool,
-        chat_template: ChatTemplate,
-        tool_parser: ToolParser,
-        reasoning_parser: ReasoningParser | None,
-    ) -> None:
-        self.engine = engine
-        self.chat_template = chat_template
-        self.tool_parser = tool_parser
-        self.reasoning_parser = reasoning_parser
+    @property
+    def engine(self) -> EngineClient | None:
+        return self.runtime.engine if self.runtime is not None else None
+
+    def ready(self, runtime: ModelRuntime) -> None:
+        self.runtime = runtime
         self.state = ModelState.READY
 
     def failed(self, error: str) -> None:
@@ -81,7 +71,7 @@ class OpenAIServingModels:
     def all_ready(self) -> bool:
         return all(model.state is ModelState.READY for model in self._models.values())
 
-    def engines(self) -> list[tuple[str, EnginePool]]:
+    def engines(self) -> list[tuple[str, EngineClient]]:
         return [(m.id, m.engine) for m in self._models.values() if m.engine is not None]
 
     def status(self) -> dict[str, dict[str, object]]:
@@ -94,8 +84,11 @@ class OpenAIServingModels:
                 busy, waiting = model.engine.load()
                 entry.update(slots=model.engine.slots, busy_slots=busy, waiting=waiting,
                              stats=vars(model.engine.stats).copy())
+                disk = model.engine.disk_stats
+                if disk is not None:
+                    entry["disk_cache"] = vars(disk).copy()
                 if model.engine.replicas > 1:
-                    entry["replicas"] = model.engine.replica_load()
+                    entry["replicas"] = model.engine.replica_status()
             status[model.id] = entry
         return status
 

@@ -1,0 +1,214 @@
+"""The CPU at hand and the llama.cpp build: which instruction sets to compile in, and whether a
+built library can run here.
+
+Standard library only: `make setup` runs it (`python3 -m fastrun_cpp.cpu cmake-args`) before
+any dependency is installed. The instruction sets come from the machine's own flags
+(`/proc/cpuinfo`), never from a fixed list, so a build never uses an instruction the CPU lacks.
+AMX stays off: llama.cpp's AMX kernels crash (`ggml_backend_amx_mul_mat`) on the CPUs tried.
+
+`FASTRUN_CPU_FLAGS` (a space-separated flag list, as in /proc/cpuinfo) stands in for the
+machine's flags, to build for, or test against, another CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_FLAGS_ENV = "FASTRUN_CPU_FLAGS"
+CPUINFO = Path("/proc/cpuinfo")
+
+# ggml's x86 build options and the /proc/cpuinfo flags each one makes the compiler use
+# (GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw).
+X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GGML_SSE42", ("sse4_2",)),
+    ("GGML_AVX", ("avx",)),
+    ("GGML_AVX2", ("avx2",)),
+    ("GGML_FMA", ("fma",)),
+    ("GGML_F16C", ("f16c",)),
+    ("GGML_BMI2", ("bmi2",)),
+    ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512vbmi",)),
+    ("GGML_AVX512_VNNI", ("avx512_vnni",)),
+    ("GGML_AVX512_BF16", ("avx512_bf16",)),
+)
+ALWAYS_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+
+# What the container image and other portable builds assume of an x86-64 host: x86-64-v3
+# (Haswell, 2013, and Zen 1 onwards).
+X86_64_V3 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
+
+# aarch64: /proc/cpuinfo "Features" -> the -march extension llama.cpp's CPU backend uses,
+# and the architecture level that first has it (as ggml's own CPU variants do). SME stays
+# off: its kernels need streaming mode support that Linux VMs often lack.
+ARM_EXTENSIONS: tuple[tuple[str, str, str], ...] = (
+    ("asimddp", "+dotprod", "armv8.2-a"),
+    ("asimdhp", "+fp16", "armv8.2-a"),
+    ("sve", "+sve", "armv8.2-a"),
+    ("i8mm", "+i8mm", "armv8.6-a"),
+    ("sve2", "+sve2", "armv8.6-a"),
+)
+
+# llama_print_system_info()'s CPU features -> the flags the CPU must have for each.
+SYSTEM_INFO_FLAGS: dict[str, tuple[str, ...]] = {
+    "SSE3": ("pni",),
+    "SSSE3": ("ssse3",),
+    "AVX": ("avx",),
+    "AVX_VNNI": ("avx_vnni",),
+    "AVX2": ("avx2",),
+    "F16C": ("f16c",),
+    "FMA": ("fma",),
+    "BMI2": ("bmi2",),
+    "AVX512": ("avx512f",),
+    "AVX512_VBMI": ("avx512vbmi",),
+    "AVX512_VNNI": ("avx512_vnni",),
+    "AVX512_BF16": ("avx512_bf16",),
+    "AMX_INT8": ("amx_int8",),
+    "NEON": ("asimd",),
+    "DOTPROD": ("asimddp",),
+    "FP16_VA": ("asimdhp",),
+    "MATMUL_INT8": ("i8mm",),
+    "SVE": ("sve",),
+    "SVE2": ("sve2",),
+    "SME": ("sme",),
+}
+
+
+def machine() -> str:
+    name = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(name, name)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU (x86 "flags", ARM "Features"), or the
+    FASTRUN_CPU_FLAGS stand-in."""
+    given = os.environ.get(CPU_FLAGS_ENV)
+    if given is not None:
+        return frozenset(given.split())
+    try:
+        text = CPUINFO.read_text(encoding="ascii", errors="ignore")
+    except OSError:
+        return frozenset()
+    match = re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.MULTILINE)
+    return frozenset(match.group(1).split()) if match else frozenset()
+
+
+def cpu_name() -> str:
+    try:
+        text = CPUINFO.read_text(encoding="ascii", errors="ignore")
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    match = re.search(r"^(?:model name|Model|CPU part)\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else platform.processor() or "unknown CPU"
+
+
+# llamafile's matrix kernels compute a product of one row differently from the same row among
+# several, so an answer would depend on batching and caching (see `deterministic` in
+# settings.py); ggml's own kernels do not.
+COMMON_ARGS = ("-DGGML_LLAMAFILE=OFF",)
+
+
+def cmake_args(flags: frozenset[str] | None = None, arch: str | None = None) -> list[str]:
+    """llama.cpp's CMake options for a CPU with these flags: every instruction set it has,
+    none it lacks, AMX off."""
+    return [*_isa_args(cpu_flags() if flags is None else flags, arch or machine()), *COMMON_ARGS]
+
+
+def _isa_args(flags: frozenset[str], arch: str) -> list[str]:
+    if arch == "x86_64":
+        args = ["-DGGML_NATIVE=OFF"]
+        args += [f"-D{option}={'ON' if set(needs) <= flags else 'OFF'}" for option, needs in X86_OPTIONS]
+        return args + [f"-D{option}=OFF" for option in ALWAYS_OFF]
+    if arch == "aarch64":
+        level, extensions = "armv8-a", ""
+        for feature, extension, min_level in ARM_EXTENSIONS:
+            if feature in flags:
+                extensions += extension
+                level = max(level, min_level)
+        return ["-DGGML_NATIVE=OFF", f"-DGGML_CPU_ARM_ARCH={level}{extensions}"]
+    # Other architectures (POWER, RISC-V, s390x...): the compiler's view of this machine.
+    return ["-DGGML_NATIVE=ON"]
+
+
+def x86_64_v3_args() -> list[str]:
+    """A portable x86-64 build (the CPU container image): x86-64-v3, nothing above it."""
+    return cmake_args(X86_64_V3, "x86_64")
+
+
+# ------------------------------------------------------------------ checking a build
+
+@dataclass(frozen=True)
+class BuildCheck:
+    features: tuple[str, ...]  # CPU features the llama.cpp build uses (llama_print_system_info)
+    missing: tuple[str, ...]  # of those, what this CPU lacks
+    crashed: str | None = None  # the probe died (an illegal instruction, say)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and self.crashed is None
+
+
+def parse_system_info(info: str) -> tuple[str, ...]:
+    """The CPU features llama.cpp says it was built with: `CPU : AVX = 1 | AVX2 = 1 | ...`."""
+    found = []
+    for name, value in re.findall(r"([A-Z][A-Z0-9_]*) = (\d+)", info):
+        if value != "0" and name in SYSTEM_INFO_FLAGS and name not in found:
+            found.append(name)
+    return tuple(found)
+
+
+def missing_features(features: tuple[str, ...], flags: frozenset[str]) -> tuple[str, ...]:
+    return tuple(name for name in features if not set(SYSTEM_INFO_FLAGS[name]) <= flags)
+
+
+_PROBE = (
+    "import llama_cpp.llama_cpp as l; l.llama_backend_init(); "
+    "print(l.llama_print_system_info().decode('utf-8', 'replace'))"
+)
+
+
+def check_build(python: str = sys.executable, timeout_s: float = 120) -> BuildCheck:
+    """Load llama.cpp in a child process (an illegal instruction kills the child, not us) and
+    compare the CPU features it was built with against this CPU's flags."""
+    flags = cpu_flags()
+    try:
+        probe = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return BuildCheck((), (), crashed="loading llama.cpp did not finish")
+    if probe.returncode != 0:
+        reason = f"loading llama.cpp failed (exit status {probe.returncode})"
+        if probe.returncode == -4:  # SIGILL
+            reason = "loading llama.cpp died of an illegal instruction"
+        return BuildCheck((), (), crashed=reason)
+    features = parse_system_info(probe.stdout)
+    if not flags:  # the flags cannot be read here: trust a build that loaded
+        return BuildCheck(features, ())
+    return BuildCheck(features, missing_features(features, flags))
+
+
+def main(argv: list[str]) -> int:
+    command = argv[0] if argv else "cmake-args"
+    if command == "cmake-args":
+        print(" ".join(cmake_args()))
+    elif command == "portable-cmake-args":
+        print(" ".join(x86_64_v3_args() if machine() == "x86_64" else cmake_args(frozenset(), machine())))
+    elif command == "check":
+        check = check_build()
+        print(f"built with: {' '.join(check.features) or '?'}")
+        if not check.ok:
+            print(f"not usable on this CPU: {check.crashed or 'lacks ' + ' '.join(check.missing)}")
+            return 1
+    else:
+        print("usage: python -m fastrun_cpp.cpu [cmake-args | portable-cmake-args | check]", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

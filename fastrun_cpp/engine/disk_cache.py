@@ -1,0 +1,320 @@
+"""The disk tier of the prompt cache: saved sequence states that outlive the process.
+
+Entries live in a directory of their own per namespace (the model file's identity, the
+settings that change the KV layout, the llama.cpp build), so another model, another KV type or
+another build never matches. Each file holds the tokens its state covers and the state, with
+sizes and a checksum: a corrupt, truncated or foreign file is skipped with a warning.
+
+Writes go through one writer thread (never the scheduler's), to a temporary file renamed into
+place, so readers - this process's or another server's sharing the directory - see whole files
+or none. The tier is bounded in bytes; the least recently used files (by modification time,
+refreshed on every hit) go first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fastrun_cpp.engine.tokens import common_prefix_length
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"FASTRUN-KV\x01\n"
+SUFFIX = ".kv"
+_HEADER_SIZE = struct.Struct("<I")
+_RESCAN_INTERVAL_S = 5.0  # how often to look for files other processes wrote
+
+
+@dataclass(eq=False)
+class DiskEntry:
+    path: Path
+    tokens: list[int]
+    nbytes: int  # of the whole file
+    mtime: float
+
+
+@dataclass
+class DiskStats:
+    hits: int = 0  # entries loaded for a request
+    misses: int = 0  # lookups that found nothing longer than RAM or the slots hold
+    writes: int = 0
+    evictions: int = 0
+    skipped: int = 0  # unreadable files (corrupt, truncated, foreign)
+    bytes: int = 0  # on disk now (this namespace)
+    entries: int = 0
+
+
+def namespace_of(**identity: object) -> str:
+    """A directory name for everything that must match for a state to be reusable."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def file_identity(path: Path) -> dict[str, object]:
+    """A model file's identity without reading all of it: size and hashes of both ends."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        digest.update(file.read(1 << 20))
+        file.seek(max(0, size - (1 << 20)))
+        digest.update(file.read(1 << 20))
+    return {"size": size, "sha256_ends": digest.hexdigest()}
+
+
+class DiskPromptCache:
+    def __init__(self, directory: Path, namespace: str, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.directory = Path(directory) / namespace
+        self.stats = DiskStats()
+        self._entries: dict[Path, DiskEntry] = {}
+        self._unreadable: set[tuple[Path, float]] = set()  # (path, mtime) already warned about
+        self._lock = threading.Lock()
+        self._writes: queue.Queue[tuple[list[int], np.ndarray] | None] = queue.Queue()
+        self._pending = 0  # writes queued and not finished
+        self._done = threading.Condition(self._lock)
+        self._scanned_at = 0.0
+        self._dir_mtime = -1
+        self._writer: threading.Thread | None = None
+        if self.enabled:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                logger.warning("prompt cache directory %s is not usable (%s); disk tier off", self.directory, exc)
+                self.capacity_bytes = 0
+                return
+            self._rescan(force=True)
+            self._writer = threading.Thread(target=self._write_forever, name="fastrun-kv-writer", daemon=True)
+            self._writer.start()
+            logger.info("disk prompt cache %s: %d entries, %.1f MiB of %.1f GiB",
+                        self.directory, self.stats.entries, self.stats.bytes / 2**20, capacity_bytes / 2**30)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+    # ------------------------------------------------------------------ reading
+
+    def longest_prefix(self, tokens: list[int]) -> tuple[DiskEntry | None, int]:
+        if not self.enabled:
+            return None, 0
+        self._rescan()
+        best, best_length = None, 0
+        with self._lock:
+            entries = list(self._entries.values())
+        for entry in entries:
+            length = common_prefix_length(entry.tokens, tokens)
+            if length > best_length:
+                best, best_length = entry, length
+        return best, best_length
+
+    def load(self, entry: DiskEntry) -> np.ndarray | None:
+        """The entry's state, or None (and the file forgotten) if it is gone or unreadable."""
+        try:
+            tokens, state = self._read(entry.path, with_state=True)
+        except FileNotFoundError:  # evicted, possibly by another server
+            self._forget(entry.path)
+            return None
+        except (OSError, ValueError) as exc:
+            self._skip(entry.path, exc)
+            return None
+        if tokens != entry.tokens:  # replaced by another process with another sequence
+            self._forget(entry.path)
+            return None
+        try:
+            os.utime(entry.path)  # most recently used
+        except OSError:
+            pass
+        self.stats.hits += 1
+        return state
+
+    # ------------------------------------------------------------------ writing
+
+    def store(self, tokens: list[int], state: np.ndarray) -> None:
+        """Queue a state for writing (the caller's arrays must not change afterwards)."""
+        if not self.enabled or state.nbytes > self.capacity_bytes:
+            return
+        path = self._path_of(tokens)
+        with self._lock:
+            if path in self._entries:
+                return
+            self._pending += 1
+        self._writes.put((tokens, state))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until queued writes are on disk; False if time ran out."""
+        deadline = time.monotonic() + timeout_s
+        with self._done:
+            while self._pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._done.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._writer is not None:
+            self.flush(timeout_s)
+            self._writes.put(None)
+
+    def _write_forever(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            try:
+                self._write(*item)
+            except Exception:  # a full disk must not take the server down
+                logger.exception("could not write a prompt-cache entry")
+            finally:
+                with self._done:
+                    self._pending -= 1
+                    self._done.notify_all()
+
+    def _write(self, tokens: list[int], state: np.ndarray) -> None:
+        path = self._path_of(tokens)
+        token_bytes = np.asarray(tokens, dtype="<i4").tobytes()
+        header = json.dumps({"n_tokens": len(tokens), "state_bytes": int(state.nbytes),
+                             "crc32": zlib.crc32(state) & 0xFFFFFFFF,
+                             "tokens_crc32": zlib.crc32(token_bytes) & 0xFFFFFFFF}).encode()
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(temporary, "wb") as file:
+                file.write(MAGIC)
+                file.write(_HEADER_SIZE.pack(len(header)))
+                file.write(header)
+                file.write(token_bytes)
+                file.write(memoryview(state))
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)  # atomic: readers see the old file, the new one, or none
+        finally:
+            if temporary.exists():
+                temporary.unlink()
+        size = path.stat().st_size
+        with self._lock:
+            self._entries[path] = DiskEntry(path, list(tokens), size, time.time())
+            self.stats.writes += 1
+        self._evict()
+
+    def _evict(self) -> None:
+        """Delete least recently used files until the namespace fits (other processes' too)."""
+        files = []
+        for item in os.scandir(self.directory):
+            if item.name.endswith(SUFFIX):
+                try:
+                    info = item.stat()
+                except FileNotFoundError:
+                    continue
+                files.append((info.st_mtime, info.st_size, Path(item.path)))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.capacity_bytes:
+                break
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            total -= size
+            self.stats.evictions += 1
+            self._forget(path)
+        self._update_totals()
+
+    # ------------------------------------------------------------------ the index
+
+    def _path_of(self, tokens: list[int]) -> Path:
+        digest = hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+        return self.directory / f"{digest}{SUFFIX}"
+
+    def _read(self, path: Path, *, with_state: bool) -> tuple[list[int], np.ndarray | None]:
+        try:
+            return self._read_file(path, with_state=with_state)
+        except (KeyError, TypeError, struct.error, json.JSONDecodeError) as exc:
+            raise ValueError(f"malformed header ({exc})") from exc
+
+    def _read_file(self, path: Path, *, with_state: bool) -> tuple[list[int], np.ndarray | None]:
+        with open(path, "rb") as file:
+            if file.read(len(MAGIC)) != MAGIC:
+                raise ValueError("not a fastrun prompt-cache file")
+            (length,) = _HEADER_SIZE.unpack(file.read(_HEADER_SIZE.size))
+            if length > 4096:
+                raise ValueError("header too long")
+            header = json.loads(file.read(length))
+            n_tokens, state_bytes = int(header["n_tokens"]), int(header["state_bytes"])
+            token_bytes = file.read(4 * n_tokens)
+            if len(token_bytes) != 4 * n_tokens or zlib.crc32(token_bytes) & 0xFFFFFFFF != header["tokens_crc32"]:
+                raise ValueError("truncated or corrupt tokens")
+            tokens = np.frombuffer(token_bytes, dtype="<i4").tolist()
+            if not with_state:
+                if os.fstat(file.fileno()).st_size != file.tell() + state_bytes:
+                    raise ValueError("truncated")
+                return tokens, None
+            state = np.empty(state_bytes, dtype=np.uint8)
+            if file.readinto(memoryview(state)) != state_bytes or file.read(1):
+                raise ValueError("truncated or too long")
+        if zlib.crc32(state) & 0xFFFFFFFF != header["crc32"]:
+            raise ValueError("corrupt state (checksum mismatch)")
+        return tokens, state
+
+    def _rescan(self, *, force: bool = False) -> None:
+        """Index files this process does not know yet (written by another server sharing the
+        directory, or before a restart) and forget files that are gone."""
+        now = time.monotonic()
+        if not force and now - self._scanned_at < _RESCAN_INTERVAL_S:
+            return
+        self._scanned_at = now
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except OSError:
+            return
+        if not force and mtime == self._dir_mtime:
+            return
+        self._dir_mtime = mtime
+        present = {}
+        for item in os.scandir(self.directory):
+            if item.name.endswith(SUFFIX) and not item.name.startswith("."):
+                present[Path(item.path)] = item
+        with self._lock:
+            for path in [p for p in self._entries if p not in present]:
+                del self._entries[path]
+            new = [p for p in present if p not in self._entries]
+        for path in new:
+            try:
+                info = present[path].stat()
+                if (path, info.st_mtime) in self._unreadable:
+                    continue
+                tokens, _ = self._read(path, with_state=False)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:
+                self._unreadable.add((path, info.st_mtime))
+                self._skip(path, exc)
+                continue
+            with self._lock:
+                self._entries[path] = DiskEntry(path, tokens, info.st_size, info.st_mtime)
+        self._update_totals()
+
+    def _skip(self, path: Path, reason: Exception) -> None:
+        logger.warning("prompt cache: skipping %s: %s", path.name, reason)
+        self.stats.skipped += 1
+        self._forget(path)
+
+    def _forget(self, path: Path) -> None:
+        with self._lock:
+            self._entries.pop(path, None)
+        self._update_totals()
+
+    def _update_totals(self) -> None:
+        with self._lock:
+            self.stats.entries = len(self._entries)
+            self.stats.bytes = sum(e.nbytes for e in self._entries.values())

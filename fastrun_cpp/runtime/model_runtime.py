@@ -1,0 +1,207 @@
+"""ModelRuntime: everything one served model needs, built from its ModelConfig alone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+
+from fastrun_cpp.chat import ChatTemplate
+from fastrun_cpp.engine import AsyncEngine, EngineConfig, Faults, LlamaModel, PromptTooLongError
+from fastrun_cpp.engine.backend import system_info
+from fastrun_cpp.engine.disk_cache import DiskPromptCache, file_identity, namespace_of
+from fastrun_cpp.engine.grammar import GrammarCompiler
+from fastrun_cpp.engine.model import gpu_offload_available
+from fastrun_cpp.engine.pool import EnginePool
+from fastrun_cpp.parsers import ReasoningParser, ToolParser, select_reasoning_parser, select_tool_parser
+from fastrun_cpp.registry import ModelConfig
+from fastrun_cpp.runtime.client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the serving layer may know of a model (read-only)."""
+
+    id: str
+    path: str
+    description: str
+    n_vocab: int
+    n_ctx_train: int
+    max_context: int  # tokens per request: prompt and answer
+    slots: int  # over all replicas
+    replicas: int
+    deterministic: bool  # batch-invariant kernels are in use
+
+
+class ModelRuntime:
+    """A served model: the vocabulary (tokenizer), its engines behind an EngineClient, the chat
+    template, tool-call and reasoning parsers, and a grammar compiler for its vocabulary.
+    `close()` frees every replica's engine and weights."""
+
+    def __init__(
+        self,
+        *,
+        config: ModelConfig,
+        info: ModelInfo,
+        tokenizer: LlamaModel,
+        engine: EngineClient,
+        chat_template: ChatTemplate,
+        tool_parser: ToolParser,
+        reasoning_parser: ReasoningParser | None,
+        grammars: GrammarCompiler,
+        weights: list[LlamaModel],
+    ) -> None:
+        self.config = config
+        self.info = info
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.chat_template = chat_template
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        self.grammars = grammars
+        self._weights = weights
+
+    def check_prompt(self, n_prompt_tokens: int) -> None:
+        if n_prompt_tokens == 0:
+            raise PromptTooLongError("the prompt is empty")
+        if n_prompt_tokens >= self.info.max_context:
+            raise PromptTooLongError(
+                f"the prompt is {n_prompt_tokens} tokens long, but the context window is "
+                f"{self.info.max_context} tokens (prompt and answer together)"
+            )
+
+    async def close(self) -> None:
+        await self.engine.shutdown()
+        self.grammars.close()
+        for model in {id(m): m for m in self._weights}.values():  # each distinct copy once
+            model.close()
+
+
+def chat_setup(config: ModelConfig, model: LlamaModel) -> tuple[ChatTemplate, ToolParser, ReasoningParser | None]:
+    """The model's chat template (or the configured one) and the parsers it points to."""
+    source = model.chat_template
+    if config.chat_template_file is not None:
+        source = Path(config.chat_template_file).read_text(encoding="utf-8")
+    if source is None:
+        logger.warning("%s has no chat template; using ChatML", config.id)
+    template = ChatTemplate(source, bos_token=model.bos_text, eos_token=model.eos_text)
+    return template, select_tool_parser(source, config.tool_parser), select_reasoning_parser(source, config.reasoning_parser)
+
+
+def uses_gpu(config: ModelConfig) -> bool:
+    return config.gpu.n_gpu_layers != 0 and gpu_offload_available()
+
+
+def is_deterministic(config: ModelConfig) -> bool:
+    """Batch invariance holds for llama.cpp's CPU kernels chosen here, not for GPU kernels."""
+    return config.deterministic and not uses_gpu(config)
+
+
+def engine_config(config: ModelConfig, *, threads: int) -> EngineConfig:
+    deterministic = is_deterministic(config)
+    cache_type_v = config.gpu.cache_type_v
+    cache_type_k = config.gpu.cache_type_k or ("bf16" if deterministic else "f16")
+    if deterministic and cache_type_k == cache_type_v and cache_type_k in ("f16", "f32"):
+        # With equal f16/f32 K and V types llama.cpp picks attention kernels by batch shape
+        # (tiled for long batches, split over the KV for one token): answers would depend on
+        # batching. Any other pair takes its one per-row kernel.
+        logger.warning("%s: deterministic mode keeps K and V caches of different types; K is bf16", config.id)
+        cache_type_k = "bf16"
+    return EngineConfig(
+        slots=config.slots,
+        ctx_size=config.ctx_size,
+        batch_size=max(config.batch_size, config.slots),
+        threads=config.threads or threads,
+        prompt_cache_mib=config.prompt_cache_mib,
+        max_queue=config.max_queue,
+        swa_full=config.swa_full,
+        flash_attn="on" if deterministic else config.gpu.flash_attn,
+        cache_type_k=cache_type_k,
+        cache_type_v=cache_type_v,
+    )
+
+
+def load_weights(config: ModelConfig, path: Path) -> list[LlamaModel]:
+    """The weights each replica uses: one copy per GPU for GPU replicas, one shared copy
+    otherwise (replicas on the CPU, or several replicas on one GPU)."""
+    gpu = config.gpu
+    repack = not is_deterministic(config)
+    if config.gpus and gpu_offload_available():
+        return [LlamaModel(path, n_gpu_layers=gpu.n_gpu_layers, main_gpu=device, split_mode="none")
+                for device in config.gpus]
+    if config.gpus:
+        logger.warning("%s asks for GPUs %s, but this llama.cpp build has no GPU backend: serving on the CPU",
+                       config.id, config.gpus)
+    model = LlamaModel(path, n_gpu_layers=gpu.n_gpu_layers, main_gpu=gpu.main_gpu, split_mode=gpu.split_mode,
+                       tensor_split=gpu.tensor_split, repack=repack)
+    return [model] * config.replica_count
+
+
+def prepare_process(config: ModelConfig) -> None:
+    """Process-wide llama.cpp switches a model needs, set before its first decode."""
+    if is_deterministic(config):
+        # The tiled K-quant matrix kernels are taken for batches of 8 rows or more only.
+        os.environ["GGML_CPU_TILED_MM"] = "0"
+
+
+def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaModel, path: Path,
+                   directory: Path | None) -> DiskPromptCache | None:
+    """The disk tier of the model's prompt cache, in a namespace of everything a saved state
+    depends on: the model file, the KV layout and the llama.cpp build."""
+    if directory is None or config.prompt_cache_disk_gib <= 0:
+        return None
+    namespace = namespace_of(
+        model=file_identity(path), n_swa=model.n_swa, swa_full=settings.swa_full, type_k=settings.cache_type_k,
+        type_v=settings.cache_type_v, flash_attn=settings.flash_attn, deterministic=is_deterministic(config),
+        llama_cpp=llama_cpp.__version__, build=system_info(),
+    )
+    return DiskPromptCache(directory, namespace, int(config.prompt_cache_disk_gib * 2**30))
+
+
+async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: str = "",
+                             prompt_cache_dir: Path | None = None) -> ModelRuntime:
+    """Pull (if from the Hub) and load the GGUF and start its engines in this process."""
+    load_delay = Faults.parse(faults_spec).load_delay_s
+    if load_delay:
+        await asyncio.sleep(load_delay)
+    prepare_process(config)
+    path = await asyncio.to_thread(config.resolve_path)
+    weights = await asyncio.to_thread(load_weights, config, path)
+    model = weights[0]
+    settings = engine_config(config, threads=threads)
+    if settings.ctx_size > model.n_ctx_train:
+        logger.warning("ctx_size %d exceeds the %d tokens %s was trained on; answers may degrade past that",
+                       settings.ctx_size, model.n_ctx_train, config.id)
+    if is_deterministic(config) and model.n_swa > 0 and not settings.swa_full:
+        logger.warning("%s: with --no-swa-full, sliding-window KV is a ring buffer whose cell order depends on "
+                       "each slot's history: cache hits are not bit-exact (use --swa-full for that)", config.id)
+    chat_template, tool_parser, reasoning_parser = chat_setup(config, model)
+    grammars = GrammarCompiler(model)
+    disk = await asyncio.to_thread(disk_cache_for, config, settings, model, path, prompt_cache_dir)
+    pool = EnginePool([
+        AsyncEngine(weights[i], settings, grammars, Faults.parse(faults_spec, replica=i), disk)
+        for i in range(len(weights))
+    ], disk)
+    deterministic = is_deterministic(config)
+    info = ModelInfo(
+        id=config.id, path=str(path), description=model.description, n_vocab=model.n_vocab,
+        n_ctx_train=model.n_ctx_train, max_context=settings.ctx_size, slots=pool.slots, replicas=pool.replicas,
+        deterministic=deterministic,
+    )
+    logger.info(
+        "serving %s (%s): %d x %d slots x %d-token context, batch %d, %d threads, KV %s/%s, %s; "
+        "tool calls: %s, reasoning: %s",
+        config.id, path, pool.replicas, settings.slots, settings.ctx_size, settings.batch_size, settings.threads,
+        settings.cache_type_k, settings.cache_type_v,
+        "deterministic (batch-invariant kernels)" if deterministic else "fastest kernels (not batch-invariant)",
+        tool_parser.name, reasoning_parser.name if reasoning_parser else "none",
+    )
+    return ModelRuntime(config=config, info=info, tokenizer=model, engine=pool, chat_template=chat_template,
+                        tool_parser=tool_parser, reasoning_parser=reasoning_parser, grammars=grammars,
+                        weights=weights)

@@ -1,0 +1,93 @@
+"""The llama.cpp build matches the CPU it runs on; a build for another CPU refuses to start
+with one clear line instead of dying of an illegal instruction."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastrun_cpp import cpu
+from tests.server import free_port
+
+# /proc/cpuinfo flags of real machines (trimmed to what matters here).
+AMD_EPYC_AVX2 = "fpu sse sse2 pni ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 sha_ni"
+SAPPHIRE_RAPIDS = (
+    "fpu sse sse2 pni ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 avx512f avx512dq avx512cd avx512bw "
+    "avx512vl avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_bf16 amx_tile amx_int8"
+)
+GRAVITON3 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp asimddp sve i8mm bf16 svei8mm"
+RASPBERRY_PI_4 = "fp asimd evtstrm crc32 cpuid"
+
+
+def options(args: list[str]) -> dict[str, str]:
+    return dict(arg.removeprefix("-D").split("=", 1) for arg in args)
+
+
+def test_avx2_machine_gets_no_avx512():
+    built = options(cpu.cmake_args(frozenset(AMD_EPYC_AVX2.split()), "x86_64"))
+    assert built["GGML_NATIVE"] == "OFF"
+    assert built["GGML_AVX2"] == built["GGML_FMA"] == built["GGML_F16C"] == built["GGML_BMI2"] == "ON"
+    assert all(value == "OFF" for name, value in built.items() if "AVX512" in name or "AMX" in name)
+
+
+def test_amx_machine_gets_avx512_but_never_amx():
+    built = options(cpu.cmake_args(frozenset(SAPPHIRE_RAPIDS.split()), "x86_64"))
+    assert built["GGML_AVX512"] == built["GGML_AVX512_VNNI"] == built["GGML_AVX512_BF16"] == "ON"
+    assert built["GGML_AMX_TILE"] == built["GGML_AMX_INT8"] == built["GGML_AMX_BF16"] == "OFF"
+
+
+def test_avx512_needs_all_of_its_parts():
+    partial = frozenset(AMD_EPYC_AVX2.split()) | {"avx512f"}  # no avx512bw/vl/dq/cd
+    assert options(cpu.cmake_args(partial, "x86_64"))["GGML_AVX512"] == "OFF"
+
+
+@pytest.mark.parametrize("flags, arch", [(GRAVITON3, "armv8.6-a+dotprod+fp16+sve+i8mm"),
+                                         (RASPBERRY_PI_4, "armv8-a")])
+def test_arm_machines_get_their_own_extensions(flags, arch):
+    built = options(cpu.cmake_args(frozenset(flags.split()), "aarch64"))
+    assert built["GGML_NATIVE"] == "OFF" and built["GGML_CPU_ARM_ARCH"] == arch
+
+
+def test_portable_image_build_is_x86_64_v3():
+    built = options(cpu.x86_64_v3_args())
+    assert {name for name, value in built.items() if value == "ON"} == {
+        "GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2"}
+
+
+@pytest.mark.skipif(not cpu.CPUINFO.exists(), reason="needs /proc/cpuinfo")
+def test_built_library_uses_only_instruction_sets_this_cpu_has():
+    """The installed llama.cpp reports the CPU features it was compiled with; each must be one
+    this machine's /proc/cpuinfo lists."""
+    check = cpu.check_build()
+    assert check.crashed is None
+    assert check.features, "llama.cpp reported no CPU features"
+    flags = cpu.cpu_flags()
+    for feature in check.features:
+        assert set(cpu.SYSTEM_INFO_FLAGS[feature]) <= flags, f"built with {feature}, which this CPU lacks"
+    assert check.ok
+
+
+def test_system_info_parsing():
+    info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |"
+    assert cpu.parse_system_info(info) == ("SSE3", "AVX", "AVX2")
+    assert cpu.missing_features(("SSE3", "AVX", "AVX2"), frozenset({"pni", "avx"})) == ("AVX2",)
+
+
+def test_server_refuses_to_start_on_a_cpu_the_build_does_not_fit(tmp_path):
+    """As on a machine lacking what the library was built with: one line, exit status 2, no
+    SIGILL."""
+    if not cpu.check_build().features:
+        pytest.skip("this build reports no CPU features to miss")
+    result = subprocess.run(
+        [sys.executable, "-m", "fastrun_cpp", "serve", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, cpu.CPU_FLAGS_ENV: "fpu sse sse2",
+             "FASTRUN_KEYS_DB": str(tmp_path / "keys.sqlite3")},
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, result.stderr
+    assert "built for another CPU" in errors[0] and "make setup" in errors[0]

@@ -1,0 +1,115 @@
+"""The disk tier of the prompt cache: it survives restarts, stays within its byte budget,
+never serves another model's or layout's state, shrugs off damaged files, and is shared safely
+by two servers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+
+from tests.server import DEFAULT_MODEL, run_server
+from tests.test_prefix_cache import Client, cached, document, text
+
+
+def entries(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.glob("*/*.kv"))
+
+
+def disk_stats(client: Client) -> dict:
+    health = httpx.get(f"{client.base_url.removesuffix('/v1')}/health").json()
+    return health["models"][client.model]["disk_cache"]
+
+
+def test_a_restart_keeps_the_prefixes(tmp_path):
+    cache_dir = tmp_path / "cache"
+    env = {"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}
+    prompt = document("lighthouses", 60)
+    with run_server("--slots", "2", log_dir=tmp_path, env=env) as server:
+        before = Client(server.base_url).complete(prompt)
+    assert len(entries(cache_dir)) == 1  # the slot's content, saved at shutdown
+    with run_server("--slots", "2", log_dir=tmp_path, env=env) as server:
+        client = Client(server.base_url)
+        after = client.complete(prompt)
+        assert cached(after) == after["usage"]["prompt_tokens"] - 1
+        assert text(after) == text(before)
+        assert disk_stats(client)["hits"] == 1
+        metrics = httpx.get(f"{server.root_url}/metrics").text
+        assert f'fastrun_prompt_cache_disk_total{{event="hit",model="{DEFAULT_MODEL}"}} 1.0' in metrics
+        assert 'fastrun_prompt_cache_lookups_total{model="' + DEFAULT_MODEL + '",outcome="disk"} 1.0' in metrics
+
+
+def test_damaged_and_foreign_files_are_skipped(tmp_path):
+    cache_dir = tmp_path / "cache"
+    env = {"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}
+    prompts = [document(topic, 40) for topic in ("kettles", "ladders", "mirrors")]
+    with run_server("--slots", "1", log_dir=tmp_path, env=env) as server:
+        client = Client(server.base_url)
+        cold = [client.complete(p) for p in prompts]  # each new prompt saves the previous one
+    files = entries(cache_dir)
+    assert len(files) == 3
+    namespace = files[0].parent
+    files[0].write_bytes(files[0].read_bytes()[: files[0].stat().st_size // 2])  # truncated
+    damaged = bytearray(files[1].read_bytes())
+    damaged[-100] ^= 0xFF  # one flipped byte in the state
+    files[1].write_bytes(bytes(damaged))
+    (namespace / ("0" * 64 + ".kv")).write_bytes(b"not a cache file at all")
+    (namespace / ("f" * 64 + ".kv")).write_bytes(b"FASTRUN-KV\x01\n\xff\xff\xff\xff")
+    with run_server("--slots", "1", log_dir=tmp_path, env=env) as server:
+        client = Client(server.base_url)
+        answers = [client.complete(p) for p in prompts]
+        assert [text(a) for a in answers] == [text(c) for c in cold]
+        assert disk_stats(client)["skipped"] >= 3
+        assert "prompt cache: skipping" in server.log()
+        assert server.process.poll() is None
+
+
+def test_the_disk_tier_stays_within_its_budget(tmp_path):
+    cache_dir = tmp_path / "cache"
+    budget = 0.05  # GiB: room for a few 40-fact prefixes (~15 MiB each)
+    with run_server("--slots", "1", "--prompt-cache-disk-gib", str(budget), log_dir=tmp_path,
+                    env={"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}) as server:
+        client = Client(server.base_url)
+        for topic in ("apples", "birches", "cedars", "dunes", "eagles", "ferns", "geysers", "hollows"):
+            client.complete(document(topic, 40), max_tokens=2)
+        stats = disk_stats(client)
+    assert stats["evictions"] >= 1
+    assert sum(f.stat().st_size for f in entries(cache_dir)) <= budget * 2**30
+
+
+def test_another_kv_layout_never_matches(tmp_path):
+    """States of the deterministic (bf16 K) and the fast (f16 K) layouts live apart."""
+    env = {"FASTRUN_PROMPT_CACHE_DIR": str(tmp_path / "cache")}
+    prompt = document("quarries", 40)
+    with run_server("--slots", "1", log_dir=tmp_path, env=env) as server:
+        Client(server.base_url).complete(prompt)
+    with run_server("--slots", "1", "--no-deterministic", log_dir=tmp_path, env=env) as server:
+        client = Client(server.base_url)
+        assert cached(client.complete(prompt)) == 0
+    assert len({f.parent for f in entries(tmp_path / "cache")}) == 2
+
+
+def test_two_servers_share_one_directory(tmp_path):
+    """Both write and read the same directory at once; each finds the other's prefixes after
+    a restart, and every file stays readable."""
+    cache_dir = tmp_path / "cache"
+    env = {"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}
+    topics = [f"shared {word}" for word in ("anchors", "buoys", "cranes", "docks", "eddies", "flares")]
+    with run_server("--slots", "1", log_dir=tmp_path, env=env) as one, \
+            run_server("--slots", "1", log_dir=tmp_path, env=env) as two:
+        clients = [Client(one.base_url), Client(two.base_url)]
+
+        def work(index: int) -> list[dict]:
+            client = clients[index % 2]
+            return [client.complete(document(topic, 30), max_tokens=4) for topic in topics[index % 2::2]]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = [answer for answers in pool.map(work, range(2)) for answer in answers]
+    with run_server("--slots", "1", log_dir=tmp_path, env=env) as server:
+        client = Client(server.base_url)
+        again = [client.complete(document(topic, 30), max_tokens=4) for topic in topics]
+        hits = disk_stats(client)["hits"]
+        assert disk_stats(client)["skipped"] == 0
+    assert hits >= len(topics) - 1  # every prefix either server left behind, but the slot's last
+    assert sorted(text(a) for a in again) == sorted(text(a) for a in first)
