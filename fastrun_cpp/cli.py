@@ -13,16 +13,27 @@ from pydantic import ValidationError
 
 from fastrun_cpp import __version__
 from fastrun_cpp.default_model import ModelNotFoundError
+from fastrun_cpp.limits import Limits
 from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.settings import Settings
 
 logger = logging.getLogger("fastrun_cpp")
 
+LIMIT_PREFIX = "limit__"
+
 
 def _add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
-    """One flag per setting (`--ctx-size` for FASTRUN_CTX_SIZE); given flags override env vars."""
+    """One flag per setting (`--ctx-size` for FASTRUN_CTX_SIZE, `--limit-messages` for
+    FASTRUN_LIMITS__MESSAGES); given flags override env vars."""
     for name, field in Settings.model_fields.items():
         if names is not None and name not in names:
+            continue
+        if name == "limits":
+            for limit, limit_field in Limits.model_fields.items():
+                parser.add_argument(f"--limit-{limit.replace('_', '-')}", dest=f"{LIMIT_PREFIX}{limit}",
+                                    default=argparse.SUPPRESS, metavar="N",
+                                    help=f"{limit_field.description} [default: {limit_field.default}] "
+                                         f"[env FASTRUN_LIMITS__{limit.upper()}]".replace("%", "%%"))
             continue
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description} [env FASTRUN_{name.upper()}]".replace("%", "%%")
@@ -68,6 +79,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _nest_limits(overrides: dict[str, Any]) -> dict[str, Any]:
+    """`--limit-x` flags into the `limits` setting (over FASTRUN_LIMITS__* variables)."""
+    given = {k.removeprefix(LIMIT_PREFIX): v for k, v in overrides.items() if k.startswith(LIMIT_PREFIX)}
+    rest = {k: v for k, v in overrides.items() if not k.startswith(LIMIT_PREFIX)}
+    if given:
+        rest["limits"] = {**Settings().limits.model_dump(), **given}
+    return rest
+
+
 def serve(overrides: dict[str, Any]) -> int:
     import uvicorn
 
@@ -75,7 +95,7 @@ def serve(overrides: dict[str, Any]) -> int:
     from fastrun_cpp.entrypoints.openai.api_server import authenticator_for, build_app
     from fastrun_cpp.logging_config import configure_logging
 
-    settings = Settings(**overrides)
+    settings = Settings(**_nest_limits(overrides))
     configure_logging(settings.log_level)
     if not cpu_supports_build():
         return 2

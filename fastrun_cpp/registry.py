@@ -78,6 +78,15 @@ class ModelConfig(StrictModel):
         description="Batch-invariant CPU kernels: at temperature 0 an answer never depends on batching, prompt "
         "chunking or cache hits (costs about 30% of prompt-processing speed; off: llama.cpp's fastest kernels).",
     )
+    spec_type: Literal["none", "ngram", "draft"] = Field(
+        "ngram", description="Speculative decoding: n-gram lookup in the context, a draft model, or none."
+    )
+    spec_draft_max: int = Field(16, ge=1, le=64, description="Longest speculative draft for one slot in one step.")
+    spec_draft_min: int = Field(2, ge=1, le=64, description="Shortest speculative draft worth verifying.")
+    draft_model: str | None = Field(
+        None, description="Draft model for --spec-type draft: a GGUF path or a Hub repo (owner/name[:file.gguf]) "
+        "with the same vocabulary."
+    )
     chat_template_file: Path | None = None
     tool_parser: ToolParserName | None = None
     reasoning_parser: ReasoningParserName | None = None
@@ -140,7 +149,8 @@ def _looks_like_a_path(value: str) -> bool:
 
 # Settings that override a ModelConfig field of the same name when given.
 MODEL_OVERRIDES = ("slots", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
-                   "max_queue", "swa_full", "deterministic", "chat_template_file", "tool_parser", "reasoning_parser")
+                   "max_queue", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
+                   "draft_model", "chat_template_file", "tool_parser", "reasoning_parser")
 
 
 def model_from_settings(settings) -> ModelConfig:

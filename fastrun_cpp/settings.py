@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, FilePath
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID
+from fastrun_cpp.limits import Limits
 from fastrun_cpp.registry import ModelConfig
 from fastrun_cpp.parsers import ReasoningParserName, ToolParserName
 
@@ -51,7 +53,7 @@ def _data_home() -> Path:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FASTRUN_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="FASTRUN_", env_nested_delimiter="__", extra="ignore")
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
@@ -90,6 +92,10 @@ class Settings(BaseSettings):
     swa_full: bool | None = _model_field("swa_full")
     deterministic: bool | None = _model_field("deterministic")
     max_queue: int | None = _model_field("max_queue")
+    spec_type: Literal["none", "ngram", "draft"] | None = _model_field("spec_type")
+    spec_draft_max: int | None = _model_field("spec_draft_max")
+    spec_draft_min: int | None = _model_field("spec_draft_min")
+    draft_model: str | None = _model_field("draft_model")
     threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.")
     n_gpu_layers: int | None = Field(None, description="Layers to offload to a GPU (-1, the default: all; 0: none).")
     request_timeout_s: float = Field(600, gt=0, description="Limit for a request without streaming, seconds.")
@@ -112,6 +118,7 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt and answer text (off by default).")
+    limits: Limits = Field(default_factory=Limits, description="Bounds on the work one request can ask for.")
     debug_faults: str = Field(
         "",
         description="Fault injection for tests, e.g. 'load-delay=3,decode-fail=2' (never in production).",

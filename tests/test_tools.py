@@ -164,7 +164,8 @@ def test_tool_history_with_null_content_is_accepted(http, model):
 
 @pytest.mark.parametrize("body, mentions", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
+                                                  "parameters": {"type": "object", "not": {}}}}],
       "tool_choice": "required"}, "'not'"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
 ])

@@ -12,33 +12,36 @@ from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.prompt_cache import CachedSequence
-from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest, RequestRejected
 
 logger = logging.getLogger(__name__)
 
 
 class _OutputCollector:
-    """Holds a request's undelivered outputs merged into one, so a slow reader catches up
+    """Holds a request's undelivered outputs, merged per choice, so a slow reader catches up
     in a single read instead of falling behind token by token."""
 
-    __slots__ = ("_output", "_ready")
+    __slots__ = ("_outputs", "_ready")
 
     def __init__(self) -> None:
-        self._output: GenerationOutput | None = None
+        self._outputs: dict[int, GenerationOutput] = {}  # by choice index, in arrival order
         self._ready = asyncio.Event()
 
     def put(self, output: GenerationOutput) -> None:
-        if self._output is None:
-            self._output = output
+        held = self._outputs.get(output.index)
+        if held is None:
+            self._outputs[output.index] = output
         else:
-            self._output.merge(output)
+            held.merge(output)
         self._ready.set()
 
     async def get(self) -> GenerationOutput:
+        """The oldest choice's news (merged)."""
         await self._ready.wait()
-        output, self._output = self._output, None
-        self._ready.clear()
-        assert output is not None
+        index = next(iter(self._outputs))
+        output = self._outputs.pop(index)
+        if not self._outputs:
+            self._ready.clear()
         return output
 
 
@@ -47,17 +50,19 @@ class RequestTimedOut(EngineError):
 
 
 class RequestStream:
-    """The outputs of one submitted request, as an async iterator.
+    """The outputs of one submitted request, as an async iterator: each output is news of one
+    choice (`output.index`).
 
-    Ends after the output that finishes the request; raises EngineError if the engine failed
-    it, RequestTimedOut past its deadline. `close()` aborts the request if it is still running
-    (and is safe to call twice).
+    Ends after every choice has finished; raises EngineError if the engine failed it,
+    RequestTimedOut past its deadline. `close()` aborts the request if it is still running (and
+    is safe to call twice).
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, collector: _OutputCollector) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, collector: _OutputCollector, choices: int = 1) -> None:
         self._engine = engine
         self.request_id = request_id
         self._collector = collector
+        self._unfinished = choices
         self._timer: asyncio.TimerHandle | None = None
         self._timed_out = False
         self.finished = False
@@ -80,15 +85,23 @@ class RequestStream:
         if self._timed_out:
             raise RequestTimedOut("the request ran past its time limit")
         if output.finished:
-            self._end()
+            self._unfinished -= 1
         if output.error is not None:
-            raise EngineError(output.error)
+            self.close()  # the request's other choices stop too
+            raise (RequestRejected if output.rejected else EngineError)(output.error)
+        if self._unfinished == 0:
+            self._end()
         return output
 
     def close(self) -> None:
         if not self.finished:
             self._end()
             self._engine.engine.abort_request(self.request_id)
+
+    def stop_choice(self, index: int) -> None:
+        """End one choice of the request now (the engine reports it finished)."""
+        if not self.finished:
+            self._engine.engine.abort_request(self.request_id, index)
 
     def _expire(self) -> None:
         if not self.finished:
@@ -157,7 +170,7 @@ class AsyncEngine:
         except BaseException:
             del self._collectors[request.request_id]
             raise
-        return RequestStream(self, request.request_id, collector)
+        return RequestStream(self, request.request_id, collector, request.n)
 
     async def _load_from_disk(self, prompt: list[int]) -> None:
         """Bring the disk tier's longest prefix of `prompt` into the host cache before the

@@ -44,8 +44,10 @@ class TokenBatch:
     def clear(self) -> None:
         self.size = 0
 
-    def add(self, seq_id: int, tokens: Sequence[int], start_pos: int, *, logits_last: bool) -> int:
-        """Append consecutive tokens of one sequence; return the batch index of the last one."""
+    def add(self, seq_id: int, tokens: Sequence[int], start_pos: int, *, logits: bool = False,
+            logits_last: bool = False) -> int:
+        """Append consecutive tokens of one sequence, with logits for all of them or the last
+        one; return the batch index of the last one."""
         count = len(tokens)
         start, end = self.size, self.size + count
         if end > self.capacity:
@@ -53,7 +55,7 @@ class TokenBatch:
         self._tokens[start:end] = tokens
         self._positions[start:end] = np.arange(start_pos, start_pos + count, dtype=np.int32)
         self._seq_ids[start:end] = seq_id
-        self._logits[start:end] = 0
+        self._logits[start:end] = 1 if logits else 0
         if logits_last:
             self._logits[end - 1] = 1
         self.size = end

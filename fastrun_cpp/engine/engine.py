@@ -8,6 +8,7 @@ prompt never stalls the streams already running.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import threading
@@ -34,6 +35,7 @@ from fastrun_cpp.engine.request import (
 )
 from fastrun_cpp.engine.sampling import NO_TOKEN, Candidates, SamplerChain
 from fastrun_cpp.engine.slot import Slot
+from fastrun_cpp.engine.speculative import NgramDrafter, SpeculationConfig
 from fastrun_cpp.engine.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,10 @@ class PromptTooLongError(EngineError, ValueError):
     pass
 
 
+class ChoicesError(EngineError, ValueError):
+    """More choices asked for than the engine has slots."""
+
+
 class CapacityError(EngineError):
     """Every slot is busy and the wait queue is full."""
 
@@ -87,6 +93,8 @@ class EngineConfig:
     flash_attn: str  # auto / on / off
     cache_type_k: str  # KV cache data types
     cache_type_v: str
+    grammar_step_ms: float = 250.0  # a grammar taking longer for one token ends its request
+    speculation: SpeculationConfig = SpeculationConfig(kind="none")
 
 
 @dataclass
@@ -104,6 +112,8 @@ class EngineStats:
     host_evictions: int = 0
     generated_tokens: int = 0
     decode_failures: int = 0
+    drafted_tokens: int = 0  # speculative drafts verified
+    accepted_tokens: int = 0  # of which accepted
     steps: int = 0
     step_seconds: float = 0.0  # whole scheduler steps
     decode_seconds: float = 0.0  # of which inside llama_decode (the rest is Python and sampling)
@@ -173,6 +183,7 @@ class Engine:
         self._waiting: deque[tuple[GenerationRequest, CompiledGrammar | None]] = deque()
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._clock = 0  # increases every admission; orders slots by recency
+        self._clock_steps = 0  # increases every step; orders slots' turns to draft
         self._prompt_cache = PromptCache(config.prompt_cache_mib * 2**20)
         self.disk_cache = disk_cache
         self.stats = EngineStats()
@@ -181,7 +192,7 @@ class Engine:
 
         self._lock = threading.Condition()
         self._inbox: list[tuple[GenerationRequest, CompiledGrammar | None]] = []
-        self._aborts: set[str] = set()
+        self._aborts: set[tuple[str, int | None]] = set()
         self._outstanding = 0  # requests added and not yet finished (guarded by _lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
@@ -210,12 +221,15 @@ class Engine:
         self.check_prompt(len(request.prompt_tokens))
         if (grammar is None) != (request.grammar is None):
             raise ValueError("a request with a grammar needs it compiled")
+        if request.n > self.config.slots:
+            raise ChoicesError(f"n={request.n} choices need as many slots, and this engine has {self.config.slots}")
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
-            if self._outstanding >= self.config.slots + self.config.max_queue:
+            # Counted in slots: each choice of a request takes one.
+            if self._outstanding + request.n > self.config.slots + self.config.max_queue:
                 raise CapacityError(self._retry_after_s())
-            self._outstanding += 1
+            self._outstanding += request.n
             self._inbox.append((request, grammar))
             self._lock.notify()
 
@@ -233,9 +247,10 @@ class Engine:
         seconds = (remaining[position] + rounds * expected) / per_slot
         return max(1, math.ceil(seconds))
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request (all its choices, or just choice `index`) at the next step."""
         with self._lock:
-            self._aborts.add(request_id)
+            self._aborts.add((request_id, index))
             self._lock.notify()
 
     def shutdown(self) -> None:
@@ -332,57 +347,90 @@ class Engine:
         except Exception:
             logger.exception("output handler failed")
 
-    def _abort(self, request_ids: set[str]) -> list[GenerationOutput]:
+    def _abort(self, aborts: set[tuple[str, int | None]]) -> list[GenerationOutput]:
+        whole = {request_id for request_id, index in aborts if index is None}
         outputs = []
-        for item in [item for item in self._waiting if item[0].request_id in request_ids]:
+        for item in [item for item in self._waiting if item[0].request_id in whole]:
             self._waiting.remove(item)
             request = item[0]
-            outputs.append(GenerationOutput(request.request_id, finish_reason=FinishReason.ABORTED))
+            outputs += [GenerationOutput(request.request_id, index=index, finish_reason=FinishReason.ABORTED)
+                        for index in range(request.n)]
         for slot in self._slots:
-            if slot.request is not None and slot.request.request_id in request_ids:
+            request = slot.request
+            if request is not None and (request.request_id in whole or (request.request_id, slot.index) in aborts):
+                self._drop_drafts(slot)
                 outputs.append(slot.output(finish_reason=FinishReason.ABORTED))
                 self._release(slot)
         return outputs
 
     def _admit(self) -> None:
-        while self._waiting and any(slot.is_free for slot in self._slots):
+        # First come, first served: a request with n choices waits until n slots are free.
+        while self._waiting and sum(slot.is_free for slot in self._slots) >= self._waiting[0][0].n:
             request, grammar = self._waiting.popleft()
             try:
                 self._start(request, grammar)
             except Exception as exc:  # a request that cannot start fails alone
                 logger.exception("could not start request %s", request.request_id)
-                self._unsent.append(
-                    GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc))
-                )
+                for slot in self._slots:
+                    if slot.request is request:
+                        self._release(slot)
+                self._unsent += [GenerationOutput(request.request_id, index=index, finish_reason=FinishReason.ERROR,
+                                                  error=str(exc)) for index in range(request.n)]
 
     def _start(self, request: GenerationRequest, grammar: CompiledGrammar | None) -> None:
         prompt = request.prompt_tokens
         free = [slot for slot in self._slots if slot.is_free]
         # Longest shared prefix wins; ties and misses go to the least recently used slot.
-        slot = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
+        leader = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
+        if request.prompt_logprobs is None:
+            source = self._prepare_prefix(leader, prompt)
+            reused = self._reuse_prefix(leader, prompt)
+        else:  # echo with logprobs: every prompt position's logits are needed, cached or not
+            self._save_if_unrelated(leader, prompt)
+            llama.llama_memory_seq_rm(self._memory, leader.seq_id, -1, -1)
+            leader.forget_cache()
+            source, reused = "miss", 0
+        self._count(request, leader, source if reused else "miss", reused)
+        room = self.config.ctx_size - len(prompt)
+        max_tokens = min(request.max_tokens, room) if request.max_tokens else room
+        self._clock += 1
+        followers = sorted((s for s in free if s is not leader), key=lambda s: s.last_used)[: request.n - 1]
+        for index, slot in enumerate([leader, *followers]):
+            if slot is not leader:
+                self._save(slot)  # its KV is about to be replaced by a copy of the prompt's
+                llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+                slot.forget_cache()
+            slot.start(
+                request,
+                index=index,
+                reused=reused if slot is leader else len(prompt),
+                max_tokens=max_tokens,
+                sampler=self._sampler(request, grammar, index),
+                token_bytes=self.model.token_bytes_special if request.render_special_tokens else self.model.token_bytes,
+                admitted_at=self._clock,
+                drafter=self._drafter(request),
+            )
+        leader.followers = followers
+
+    def _sampler(self, request: GenerationRequest, grammar: CompiledGrammar | None, index: int) -> SamplerChain:
+        sampling = request.sampling
+        if index and sampling.seed is not None:  # choice i of a seeded request: seed + i
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % (2**32 - 1))
         lazy = grammar is not None and bool(grammar.triggers)
         sampler = SamplerChain(
-            request.sampling,
+            sampling,
             n_vocab=self.model.n_vocab,
             penalty_window=self.config.ctx_size,
             grammar=grammar.instantiate() if grammar is not None and not lazy else None,
             lazy_grammar=LazyGrammar(grammar, self.model, self._candidates) if lazy else None,
         )
-        sampler.accept_prompt(prompt)
-        source = self._prepare_prefix(slot, prompt)
-        reused = self._reuse_prefix(slot, prompt)
-        self._count(request, slot, source if reused else "miss", reused)
-        room = self.config.ctx_size - len(prompt)
-        max_tokens = min(request.max_tokens, room) if request.max_tokens else room
-        self._clock += 1
-        slot.start(
-            request,
-            reused=reused,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            token_bytes=self.model.token_bytes_special if request.render_special_tokens else self.model.token_bytes,
-            admitted_at=self._clock,
-        )
+        sampler.accept_prompt(request.prompt_tokens)
+        return sampler
+
+    def _drafter(self, request: GenerationRequest) -> NgramDrafter | None:
+        if not (self.config.speculation.enabled and request.speculative):
+            return None
+        return NgramDrafter(self.config.speculation, request.prompt_tokens)
 
     def _prepare_prefix(self, slot: Slot, prompt: list[int]) -> str:
         """Give the slot the longest cached prefix of `prompt` there is: its own, or one restored
@@ -398,14 +446,18 @@ class Engine:
             self._save(slot)
             source, entry.source = entry.source, "host"  # from now on it is served from RAM
             return source if self._restore(slot, entry) else "slot"
-        lost = len(slot.cache_tokens) - in_slot
-        # Save when the slot goes to a different conversation (it would lose more than it
-        # keeps). A related prompt - the same long system prompt, the next turn - keeps most of
-        # it, and copying the whole sequence out for a short tail would cost the request more
-        # time than a later hit on that tail could save.
-        if lost >= MIN_SAVED_TOKENS and lost > in_slot:
-            self._save(slot)
+        self._save_if_unrelated(slot, prompt)
         return "slot"
+
+    def _save_if_unrelated(self, slot: Slot, prompt: list[int]) -> None:
+        """Save the slot's sequence when it goes to a different conversation (it would lose more
+        than it keeps). A related prompt - the same long system prompt, the next turn - keeps
+        most of it, and copying the whole sequence out for a short tail would cost the request
+        more time than a later hit on that tail could save."""
+        kept = common_prefix_length(slot.cache_tokens, prompt)
+        lost = len(slot.cache_tokens) - kept
+        if lost >= MIN_SAVED_TOKENS and lost > kept:
+            self._save(slot)
 
     def _save(self, slot: Slot) -> None:
         """Keep what the slot holds in the host cache, and write it to the disk tier."""
@@ -483,16 +535,17 @@ class Engine:
         batch = self._batch
         batch.clear()
         in_batch: list[Slot] = []
-        sampling: list[Slot] = []
-        for slot in self._slots:
-            if slot.is_decoding:
-                slot.batch_index = batch.add(
-                    slot.seq_id, (slot.pending_token,), len(slot.cache_tokens), logits_last=True
-                )
-                slot.cache_tokens.append(slot.pending_token)
-                slot.pending_token = None
-                in_batch.append(slot)
-                sampling.append(slot)
+        decoding = [slot for slot in self._slots if slot.is_decoding]
+        drafts = self._drafts(decoding)
+        for slot in decoding:
+            tokens = [slot.pending_token, *drafts.get(slot.seq_id, ())]
+            last = batch.add(slot.seq_id, tokens, len(slot.cache_tokens), logits=True)
+            slot.batch_indices = list(range(last - len(tokens) + 1, last + 1))
+            slot.draft = tokens[1:]
+            slot.cache_tokens.extend(tokens)  # the drafts' KV is dropped again where rejected
+            slot.pending_token = None
+            in_batch.append(slot)
+        finishing_prefill: list[Slot] = []
         prefilling = sorted((s for s in self._slots if s.is_prefilling), key=lambda s: s.admitted_at)
         for slot in prefilling:
             if batch.free == 0:
@@ -500,13 +553,16 @@ class Engine:
             prompt = slot.request.prompt_tokens
             chunk = prompt[slot.prompt_cursor : slot.prompt_cursor + batch.free]
             done = slot.prompt_cursor + len(chunk) == len(prompt)
-            index = batch.add(slot.seq_id, chunk, slot.prompt_cursor, logits_last=done)
+            scored = slot.request.prompt_logprobs is not None  # echo: logits of every prompt position
+            last = batch.add(slot.seq_id, chunk, slot.prompt_cursor, logits=scored, logits_last=done)
+            slot.chunk = (slot.prompt_cursor, last - len(chunk) + 1)
             slot.cache_tokens.extend(chunk)
             slot.prompt_cursor += len(chunk)
             in_batch.append(slot)
             if done:
-                slot.batch_index = index
-                sampling.append(slot)
+                slot.batch_indices = [last]
+                slot.draft = []
+                finishing_prefill.append(slot)
 
         # Deliver the previous step's outputs only now: their readers then run on the event
         # loop while this thread waits in llama_decode without the GIL, instead of competing
@@ -517,11 +573,127 @@ class Engine:
         self.stats.decode_seconds += time.perf_counter() - started
         if status != 0:
             return self._decode_failed(status, in_batch)
-        outputs = [
-            self._accept_token(slot, slot.sampler.sample(self._ctx, slot.batch_index, self._candidates))
-            for slot in sampling
-        ]
-        self._throughput.step(len(sampling), time.perf_counter() - started)
+        for slot in in_batch:
+            if slot.request is not None and slot.request.prompt_logprobs is not None and slot.chunk is not None:
+                self._score_prompt_chunk(slot)
+        outputs = [self._sample(slot) for slot in decoding]
+        for slot in finishing_prefill:
+            request, followers, slot.followers = slot.request, slot.followers, []
+            outputs.append(self._sample(slot))
+            outputs.extend(self._fork(slot, request, followers))
+        self._throughput.step(sum(len(o.token_ids) for o in outputs), time.perf_counter() - started)
+        return outputs
+
+    def _drafts(self, decoding: list[Slot]) -> dict[int, list[int]]:
+        """Draft tokens per slot for this step, within the rows the batch spares for them."""
+        spec = self.config.speculation
+        budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding))
+        drafts: dict[int, list[int]] = {}
+        if budget < spec.draft_min:
+            return drafts
+        for slot in sorted(decoding, key=lambda s: s.drafted_at):  # fair turns under a tight budget
+            if slot.drafter is None or budget < spec.draft_min:
+                continue
+            # Room for the pending token, the drafts and the bonus token: in the answer's length
+            # and in the context.
+            room = min(slot.max_tokens - slot.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
+            draft = slot.drafter.propose(min(budget, room))
+            if draft:
+                drafts[slot.seq_id] = draft
+                budget -= len(draft)
+                slot.drafted_at = self._clock_steps
+        self._clock_steps += 1
+        return drafts
+
+    def _sample(self, slot: Slot) -> GenerationOutput:
+        """Pick the slot's tokens from this step's logits: one, or - with drafts - one per
+        position while the picks equal the drafted tokens (each drafted token accepted is one
+        decode step saved)."""
+        emitted: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if slot.request.logprobs is not None else None
+        drafted = len(slot.draft)
+        for position, batch_index in enumerate(slot.batch_indices):
+            started = time.perf_counter()
+            token = slot.sampler.sample(self._ctx, batch_index, self._candidates)
+            if slot.sampler.constrained:
+                elapsed_ms = (time.perf_counter() - started) * 1000
+                if elapsed_ms > self.config.grammar_step_ms:
+                    return self._reject_for_grammar_cost(slot, elapsed_ms)
+            emitted.append(token)
+            if token == NO_TOKEN or token in self.model.eog_token_ids:
+                break
+            if logprobs is not None:
+                logits = llama.llama_get_logits_ith(self._ctx, batch_index)
+                logprobs.append(token_logprob(logits, self.model.n_vocab, token, slot.request.logprobs))
+            if slot.sampler.watching:  # a lazy grammar must see each token before the next is picked
+                slot.watched_text += slot.detokenizer.token_text(token)
+                slot.sampler.observe(slot.watched_text)
+            if position >= drafted or token != slot.draft[position]:
+                break
+        accepted = len(emitted) - 1
+        slot.accepted_now = accepted
+        if drafted:
+            self.stats.drafted_tokens += drafted
+            self.stats.accepted_tokens += accepted
+            slot.drafted_total += drafted
+            slot.accepted_total += accepted
+            slot.drafter.verified(drafted, accepted)
+            # Only the pending token and the accepted drafts are this sequence's now.
+            keep = len(slot.cache_tokens) - drafted + accepted
+            llama.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)
+            del slot.cache_tokens[keep:]
+        return self._accept_tokens(slot, emitted, logprobs)
+
+    def _reject_for_grammar_cost(self, slot: Slot, elapsed_ms: float) -> GenerationOutput:
+        # A grammar's step cost can explode with what it has accepted; one such request must
+        # not keep stalling everyone decoding beside it.
+        logger.warning("request %s: its grammar took %.0f ms for one token; ending it",
+                       slot.request.request_id, elapsed_ms)
+        output = slot.output(finish_reason=FinishReason.ERROR, rejected=True, error=(
+            f"the grammar took {elapsed_ms:.0f} ms for one token, over {self.config.grammar_step_ms:g} ms "
+            "(limit --limit-grammar-step-ms); simplify the schema's patterns or repetitions"))
+        self._drop_drafts(slot)
+        self._release(slot)
+        return output
+
+    def _drop_drafts(self, slot: Slot) -> None:
+        if slot.draft:
+            keep = len(slot.cache_tokens) - len(slot.draft)
+            llama.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)
+            del slot.cache_tokens[keep:]
+            slot.draft = []
+
+    def _score_prompt_chunk(self, slot: Slot) -> None:
+        """Logprobs of the prompt tokens this step's chunk predicts (echo with logprobs): the
+        logits at position p give the prompt token at p + 1."""
+        start, first_index = slot.chunk
+        slot.chunk = None
+        prompt = slot.request.prompt_tokens
+        top_n = slot.request.prompt_logprobs
+        if start == 0:
+            slot.prompt_logprobs.append(None)  # the first token has nothing before it
+        for offset in range(slot.prompt_cursor - start):
+            position = start + offset
+            if position + 1 >= len(prompt):
+                break
+            logits = llama.llama_get_logits_ith(self._ctx, first_index + offset)
+            slot.prompt_logprobs.append(token_logprob(logits, self.model.n_vocab, prompt[position + 1], top_n))
+
+    def _fork(self, leader: Slot, request: GenerationRequest, followers: list[Slot]) -> list[GenerationOutput]:
+        """The other choices of a request (n > 1) take a copy of the prompt's KV the leader just
+        computed, and draw their first token from the same logits with their own samplers."""
+        outputs = []
+        for follower in followers:
+            if follower.request is not request:  # aborted meanwhile
+                continue
+            llama.llama_memory_seq_rm(self._memory, follower.seq_id, -1, -1)
+            llama.llama_memory_seq_cp(self._memory, leader.seq_id, follower.seq_id, -1, -1)
+            follower.cache_tokens = list(follower.request.prompt_tokens)
+            follower.cached_tokens = leader.cached_tokens
+            follower.prompt_logprobs = leader.prompt_logprobs
+            follower.batch_indices = leader.batch_indices
+            follower.draft = []
+            outputs.append(self._sample(follower))
         return outputs
 
     def _decode_failed(self, status: int, in_batch: list[Slot]) -> list[GenerationOutput]:
@@ -539,33 +711,35 @@ class Engine:
             slot.forget_cache()
         return outputs
 
-    def _accept_token(self, slot: Slot, token: int) -> GenerationOutput:
-        if token == NO_TOKEN:  # the grammar has no way forward: end the answer where it is
-            logger.warning("request %s: its grammar allows no next token; ending the answer", slot.request.request_id)
-            text, _ = slot.finish_text()
-            return self._finish(slot, FinishReason.STOP, text, [], None)
-        slot.n_generated += 1
-        if token in self.model.eog_token_ids:
-            text, _ = slot.finish_text()
-            return self._finish(slot, FinishReason.STOP, text, [], None)
-        top_n = slot.request.logprobs
-        logprobs = None
-        if top_n is not None:
-            logits = llama.llama_get_logits_ith(self._ctx, slot.batch_index)
-            logprobs = [token_logprob(logits, self.model.n_vocab, token, top_n)]
-        piece = slot.detokenizer.push(token)
-        if slot.sampler.watching:
-            slot.watched_text += piece
-            slot.sampler.observe(slot.watched_text)
-        text, stopped = slot.stop_matcher.push(piece)
-        if stopped:
-            return self._finish(slot, FinishReason.STOP, text, [token], logprobs)
-        if slot.n_generated >= slot.max_tokens:
-            tail, stopped = slot.finish_text()
-            reason = FinishReason.STOP if stopped else FinishReason.LENGTH
-            return self._finish(slot, reason, text + tail, [token], logprobs)
-        slot.pending_token = token
-        return slot.output(text=text, token_ids=[token], logprobs=logprobs)
+    def _accept_tokens(self, slot: Slot, tokens: list[int],
+                       logprobs: list[TokenLogprob] | None) -> GenerationOutput:
+        """Turn the step's picks into text, ending the answer at an end-of-generation token, a
+        stop string or max_tokens (tokens picked past that end are dropped, their KV too)."""
+        texts: list[str] = []
+        kept: list[int] = []
+        for count, token in enumerate(tokens):
+            if token == NO_TOKEN:  # the grammar has no way forward: end the answer where it is
+                logger.warning("request %s: its grammar allows no next token; ending the answer",
+                               slot.request.request_id)
+                tail, _ = slot.finish_text()
+                return self._finish(slot, FinishReason.STOP, "".join(texts) + tail, kept, logprobs, count)
+            slot.n_generated += 1
+            if token in self.model.eog_token_ids:
+                tail, _ = slot.finish_text()
+                return self._finish(slot, FinishReason.STOP, "".join(texts) + tail, kept, logprobs, count)
+            kept.append(token)
+            text, stopped = slot.stop_matcher.push(slot.detokenizer.push(token))
+            texts.append(text)
+            if stopped:
+                return self._finish(slot, FinishReason.STOP, "".join(texts), kept, logprobs, count + 1)
+            if slot.n_generated >= slot.max_tokens:
+                tail, stopped = slot.finish_text()
+                reason = FinishReason.STOP if stopped else FinishReason.LENGTH
+                return self._finish(slot, reason, "".join(texts) + tail, kept, logprobs, count + 1)
+        slot.pending_token = tokens[-1]
+        if slot.drafter is not None:
+            slot.drafter.accept(kept)
+        return slot.output(text="".join(texts), token_ids=kept, logprobs=logprobs)
 
     def _finish(
         self,
@@ -574,7 +748,17 @@ class Engine:
         text: str,
         token_ids: list[int],
         logprobs: list[TokenLogprob] | None,
+        used: int,
     ) -> GenerationOutput:
+        """End the slot's answer after the first `used` tokens picked in this step: the KV of
+        accepted drafts past them is dropped (the slot keeps exactly the answer's tokens)."""
+        surplus = max(0, slot.accepted_now - used)
+        if surplus:
+            keep = len(slot.cache_tokens) - surplus
+            llama.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)
+            del slot.cache_tokens[keep:]
+        if logprobs is not None:
+            logprobs = logprobs[: len(token_ids)]
         output = slot.output(text=text, token_ids=token_ids, finish_reason=reason, logprobs=logprobs)
         self.stats.generated_tokens += slot.n_generated
         self._throughput.answer(slot.n_generated)
@@ -586,6 +770,8 @@ class Engine:
 
     def _fail_slots(self, slots: list[Slot], message: str) -> list[GenerationOutput]:
         outputs = []
+        for slot in list(slots):
+            slots.extend(f for f in slot.followers if f not in slots)  # they wait for this one's prompt
         for slot in slots:
             if slot.request is None:
                 continue
@@ -600,8 +786,8 @@ class Engine:
 
     def _fail_all(self, message: str) -> list[GenerationOutput]:
         outputs = [
-            GenerationOutput(r.request_id, finish_reason=FinishReason.ERROR, error=message)
-            for r, _ in list(self._waiting) + self._inbox
+            GenerationOutput(r.request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
+            for r, _ in list(self._waiting) + self._inbox for index in range(r.n)
         ]
         self._waiting.clear()
         self._inbox.clear()

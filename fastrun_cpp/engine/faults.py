@@ -2,7 +2,8 @@
 
 `--debug-faults "load-delay=3,decode-fail=2,decode-fail=7"`: delay model loading by 3 s, and
 make the 2nd and 7th `llama_decode` calls fail as a broken backend would. `decode-fail=1@0`
-targets replica 0 of a pool only.
+targets replica 0 of a pool only. `schema-hang` makes the conversion of any schema titled
+"fastrun-debug-hang" hang (to test its time limit).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 class Faults:
     load_delay_s: float = 0.0
     decode_failures: frozenset[int] = frozenset()  # 1-based numbers of the decode calls that fail
+    schema_hang: bool = False  # schema conversions of a schema titled "fastrun-debug-hang" hang
     _decodes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -31,8 +33,10 @@ class Faults:
                 faults.load_delay_s = float(value)
             elif name == "decode-fail":
                 failures.add(int(value))
+            elif name == "schema-hang":
+                faults.schema_hang = True
             else:
-                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail)")
+                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang)")
         faults.decode_failures = frozenset(failures)
         return faults
 

@@ -15,11 +15,11 @@ import ctypes
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import llama_cpp.llama_cpp as llama
 
 from fastrun_cpp.engine.cache import ByteLRU
+from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.sampling import Candidates
 from fastrun_cpp.structured.spec import GrammarSpec
@@ -54,27 +54,18 @@ class CompiledGrammar:
             self._prototype = None
 
 
-@dataclass(frozen=True)
-class GrammarLimits:
-    max_gbnf_bytes: int = 1 << 20  # grammar text
-    max_nesting: int = 128  # parenthesised groups inside each other (llama.cpp recurses per level)
-    max_first_step_ms: float = 100.0  # masking the whole vocabulary once, in the initial state
-    compile_timeout_s: float = 10.0
-    cache_bytes: int = 64 << 20
-    workers: int = 2
-
-
 class GrammarCompiler:
     """Compiles grammars for one vocabulary in a bounded pool of its own (never the event loop's
     default one), caches them by text within a byte budget, and refuses grammars that are too
     big, too deeply nested, or whose first step already costs too much (a grammar whose
     per-token cost explodes would stall every request decoding beside it)."""
 
-    def __init__(self, model: LlamaModel, limits: GrammarLimits | None = None) -> None:
+    def __init__(self, model: LlamaModel, limits: Limits | None = None, *, cache_bytes: int = 64 << 20,
+                 workers: int = 2) -> None:
         self._model = model
-        self.limits = limits or GrammarLimits()
-        self._cache: ByteLRU[GrammarSpec, CompiledGrammar] = ByteLRU(self.limits.cache_bytes)
-        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="fastrun-grammar")
+        self.limits = limits or Limits()
+        self._cache: ByteLRU[GrammarSpec, CompiledGrammar] = ByteLRU(cache_bytes)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fastrun-grammar")
         self._local = threading.local()
         self.stuck = 0  # compilations abandoned past their time limit (their threads are lost)
 
@@ -86,10 +77,11 @@ class GrammarCompiler:
         check_gbnf(spec.gbnf, self.limits)
         future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, spec)
         try:
-            grammar = await asyncio.wait_for(asyncio.shield(future), self.limits.compile_timeout_s)
+            grammar = await asyncio.wait_for(asyncio.shield(future), self.limits.grammar_timeout_s)
         except asyncio.TimeoutError:
             self.stuck += 1
-            raise GrammarError(f"the grammar took over {self.limits.compile_timeout_s:g} s to compile") from None
+            raise GrammarError(f"the grammar took over {self.limits.grammar_timeout_s:g} s to compile "
+                               "(limit --limit-grammar-timeout-s)") from None
         self._cache.put(spec, grammar, grammar.nbytes)
         return grammar
 
@@ -119,22 +111,23 @@ class GrammarCompiler:
             elapsed_ms = (time.perf_counter() - started) * 1000
         finally:
             llama.llama_sampler_free(sampler)
-        if elapsed_ms > self.limits.max_first_step_ms:
+        if elapsed_ms > self.limits.grammar_first_step_ms:
             raise GrammarError(
-                f"the grammar is too costly to run: its first step took {elapsed_ms:.0f} ms "
-                f"(limit {self.limits.max_first_step_ms:g} ms); simplify its patterns or repetitions"
+                f"the grammar is too costly to run: its first step took {elapsed_ms:.0f} ms, over "
+                f"{self.limits.grammar_first_step_ms:g} ms (limit --limit-grammar-first-step-ms); simplify its "
+                "patterns or repetitions"
             )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def check_gbnf(gbnf: str, limits: GrammarLimits) -> None:
-    """Refuse grammar text llama.cpp should never see: too large, or nested deeper than its
-    recursive parser survives."""
+def check_gbnf(gbnf: str, limits: Limits) -> None:
+    """Refuse grammar text llama.cpp should never see: too large, nested deeper than its
+    recursive parser survives, or with a repetition it expands into that many nested rules."""
     size = len(gbnf.encode("utf-8"))
-    if size > limits.max_gbnf_bytes:
-        raise GrammarError(f"the grammar is {size} bytes, over the limit of {limits.max_gbnf_bytes}")
+    if size > limits.grammar_bytes:
+        raise GrammarError(f"the grammar is {size} bytes, over {limits.grammar_bytes} (limit --limit-grammar-bytes)")
     depth = deepest = 0
     index, length = 0, len(gbnf)
     while index < length:
@@ -155,9 +148,16 @@ def check_gbnf(gbnf: str, limits: GrammarLimits) -> None:
             deepest = max(deepest, depth)
         elif char == ")":
             depth -= 1
+        elif char == "{":
+            close = gbnf.find("}", index)
+            counts = [part.strip() for part in gbnf[index + 1 : close].split(",")] if close > 0 else []
+            if any(part.isdigit() and int(part) > limits.repetition for part in counts):
+                raise GrammarError(f"the grammar repeats something {gbnf[index:close + 1]} times, over "
+                                   f"{limits.repetition} (limit --limit-repetition)")
         index += 1
-    if deepest > limits.max_nesting:
-        raise GrammarError(f"the grammar nests {deepest} groups deep, over the limit of {limits.max_nesting}")
+    if deepest > limits.grammar_nesting:
+        raise GrammarError(f"the grammar nests {deepest} groups deep, over {limits.grammar_nesting} "
+                           "(limit --limit-grammar-nesting)")
 
 
 class LazyGrammar:

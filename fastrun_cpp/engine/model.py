@@ -87,6 +87,11 @@ class LlamaModel:
             token for token in range(self.n_vocab) if llama.llama_vocab_is_eog(self._vocab, token)
         )
         self.max_token_bytes = max(map(len, self.token_bytes_special), default=1)
+        # The text of every control token (<|im_start|>, <start_of_turn>...): from users, plain text.
+        self.control_texts: list[str] = [
+            self.token_bytes_special[token].decode("utf-8", "replace")
+            for token in range(self.n_vocab) if llama.llama_vocab_is_control(self._vocab, token)
+        ]
         self.chat_template: str | None = self._chat_template()
         self.description = self.metadata("general.name") or self.path.stem
 
@@ -121,11 +126,23 @@ class LlamaModel:
             )
         return tokens[:count]
 
-    def tokenize_prompt(self, text: str) -> list[int]:
-        """Tokenize a whole prompt: special tokens are parsed, and BOS is added only where the
-        model wants one and the text (a rendered chat template, say) does not start with it."""
-        add_bos = self.add_bos and not (self.bos_text and text.startswith(self.bos_text))
+    def tokenize_prompt(self, text: str, *, first: bool = True) -> list[int]:
+        """Tokenize a prompt (or, with `first` off, a later piece of one): special tokens are
+        parsed, and BOS is added only where the model wants one and the text (a rendered chat
+        template, say) does not start with it."""
+        add_bos = first and self.add_bos and not (self.bos_text and text.startswith(self.bos_text))
         return self.tokenize(text, add_special=add_bos, parse_special=True)
+
+    def tokenize_plain(self, text: str) -> list[int]:
+        """Text that must not become control tokens, whatever it spells."""
+        return self.tokenize(text, add_special=False, parse_special=False)
+
+    @property
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        """(prefix, suffix, middle) tokens for fill-in-the-middle, None if the model has none."""
+        ids = (llama.llama_vocab_fim_pre(self._vocab), llama.llama_vocab_fim_suf(self._vocab),
+               llama.llama_vocab_fim_mid(self._vocab))
+        return None if min(ids) < 0 else ids
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes[token] for token in tokens).decode("utf-8", "replace")

@@ -21,6 +21,10 @@ class EngineError(Exception):
     """The engine could not serve a request (llama.cpp failed, or the engine is shutting down)."""
 
 
+class RequestRejected(EngineError):
+    """The engine ended a request for what it asked (a grammar too costly to run, say)."""
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -31,6 +35,9 @@ class GenerationRequest:
     logprobs: int | None = None  # None: off; N: the sampled token's logprob and the N most likely
     grammar: GrammarSpec | None = None  # constrains the answer (from its trigger, if lazy)
     render_special_tokens: bool = False  # spell out control tokens in the text (for parsers)
+    n: int = 1  # choices: each gets its own slot, after one evaluation of the prompt
+    prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob and the N most likely
+    speculative: bool = True  # may speculative decoding draft for it (when the engine drafts)
 
 
 @dataclass
@@ -38,6 +45,7 @@ class GenerationOutput:
     """A delta of one request's progress: the text and tokens produced since the last output."""
 
     request_id: str
+    index: int = 0  # which choice of the request
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -45,7 +53,11 @@ class GenerationOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0  # total so far, not a delta
     error: str | None = None
+    rejected: bool = False  # the error is the request's own doing
     logprobs: list[TokenLogprob] | None = None  # one per entry of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first token (echo)
+    drafted_tokens: int = 0  # speculative drafts verified for this choice so far
+    accepted_tokens: int = 0  # of which accepted
 
     @property
     def finished(self) -> bool:
@@ -63,3 +75,7 @@ class GenerationOutput:
         self.cached_tokens = later.cached_tokens
         self.completion_tokens = later.completion_tokens
         self.error = later.error
+        self.rejected = later.rejected
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.drafted_tokens = later.drafted_tokens
+        self.accepted_tokens = later.accepted_tokens

@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit; -inf bans)
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +112,10 @@ class SamplerChain:
         self._grammar = grammar  # owned here, kept out of the chain (see sample())
         self._lazy = lazy_grammar  # a grammar.LazyGrammar waiting for its trigger
         self._chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        if params.logit_bias:  # before every other sampler, as OpenAI applies it
+            biases = (llama.llama_logit_bias * len(params.logit_bias))(
+                *(llama.llama_logit_bias(token, bias) for token, bias in params.logit_bias))
+            self._add(llama.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
         self._penalties = None
         if params.penalized:
             self._penalties = llama.llama_sampler_init_penalties(
@@ -137,6 +142,11 @@ class SamplerChain:
 
     def _add(self, sampler: llama.llama_sampler_p) -> None:
         llama.llama_sampler_chain_add(self._chain, sampler)  # the chain now owns it
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar applies now."""
+        return self._grammar is not None
 
     @property
     def watching(self) -> bool:

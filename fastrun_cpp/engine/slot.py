@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from fastrun_cpp.engine.logprobs import TokenLogprob
 from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
 from fastrun_cpp.engine.sampling import SamplerChain
+from fastrun_cpp.engine.speculative import NgramDrafter
 from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
 
 
@@ -22,12 +24,23 @@ class Slot:
         self.cached_tokens = 0
         self.max_tokens = 0
         self.n_generated = 0
+        self.index = 0  # which of the request's choices
         self.pending_token: int | None = None  # sampled, not yet decoded
-        self.batch_index = -1  # where this slot's logits are in the current step
+        self.draft: list[int] = []  # tokens guessed after the pending one, verified this step
+        self.batch_indices: list[int] = []  # where this slot's logits are in the current step
+        self.accepted_now = 0  # drafts accepted in this step (their KV is in the sequence)
+        self.chunk: tuple[int, int] | None = None  # this step's prompt chunk: (position, batch index)
+        self.followers: list[Slot] = []  # the request's other choices, waiting for the prompt's KV
         self.sampler: SamplerChain | None = None
+        self.drafter: NgramDrafter | None = None
+        self.drafted_at = 0  # step of its last draft: slots take turns when drafts are scarce
+        self.drafted_total = 0
+        self.accepted_total = 0
         self.detokenizer: IncrementalDetokenizer | None = None
         self.stop_matcher: StopMatcher | None = None
         self.watched_text = ""  # generated text, kept while a lazy grammar watches for its trigger
+        self.prompt_logprobs: list[TokenLogprob | None] = []  # echo with logprobs: per prompt token
+        self.prompt_logprobs_sent = False
 
     @property
     def is_free(self) -> bool:
@@ -45,33 +58,52 @@ class Slot:
         self,
         request: GenerationRequest,
         *,
+        index: int,
         reused: int,
         max_tokens: int,
         sampler: SamplerChain,
         token_bytes: list[bytes],
         admitted_at: int,
+        drafter: NgramDrafter | None,
     ) -> None:
+        """Take a request's choice `index`; the first `reused` prompt tokens are in the KV
+        already (a follower, which waits for the leader's prompt, counts all of them)."""
         self.request = request
+        self.index = index
         self.admitted_at = admitted_at
-        self.cache_tokens = request.prompt_tokens[:reused]
+        self.cache_tokens = request.prompt_tokens[:reused] if index == 0 else []
         self.prompt_cursor = reused
-        self.cached_tokens = reused
+        self.cached_tokens = reused if index == 0 else 0
         self.max_tokens = max_tokens
         self.n_generated = 0
         self.pending_token = None
-        self.batch_index = -1
+        self.draft = []
+        self.batch_indices = []
+        self.accepted_now = 0
+        self.chunk = None
+        self.followers = []
         self.sampler = sampler
+        self.drafter = drafter
+        self.drafted_total = self.accepted_total = 0
         self.detokenizer = IncrementalDetokenizer(token_bytes)
         self.stop_matcher = StopMatcher(request.stop)
         self.watched_text = ""
+        self.prompt_logprobs = []
+        self.prompt_logprobs_sent = False
 
     def output(self, **fields) -> GenerationOutput:
         assert self.request is not None
+        if self.request.prompt_logprobs is not None and not self.prompt_logprobs_sent and self.n_generated:
+            fields["prompt_logprobs"] = self.prompt_logprobs
+            self.prompt_logprobs_sent = True
         return GenerationOutput(
             request_id=self.request.request_id,
+            index=self.index,
             prompt_tokens=len(self.request.prompt_tokens),
             cached_tokens=self.cached_tokens,
             completion_tokens=self.n_generated,
+            drafted_tokens=self.drafted_total,
+            accepted_tokens=self.accepted_total,
             **fields,
         )
 
@@ -88,11 +120,17 @@ class Slot:
             self.sampler.free()
         self.request = None
         self.sampler = None
+        self.drafter = None
         self.detokenizer = None
         self.stop_matcher = None
         self.watched_text = ""
+        self.prompt_logprobs = []
         self.pending_token = None
-        self.batch_index = -1
+        self.draft = []
+        self.batch_indices = []
+        self.accepted_now = 0
+        self.chunk = None
+        self.followers = []
         self.last_used = clock
 
     def forget_cache(self) -> None:

@@ -23,6 +23,10 @@ class IncrementalDetokenizer:
     def push(self, token: int) -> str:
         return self._decoder.decode(self._token_bytes[token])
 
+    def token_text(self, token: int) -> str:
+        """One token's text on its own (for watching for markers, not for the answer)."""
+        return self._token_bytes[token].decode("utf-8", "replace")
+
     def flush(self) -> str:
         """End of the answer: drop the bytes of a character the model never finished."""
         self._decoder.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -85,6 +86,8 @@ class RequestContextMiddleware:
             )
         if record.ttft_s is not None:
             line["ttft_ms"] = round(record.ttft_s * 1000, 1)
+        if record.drafted_tokens:
+            line["spec_accepted"] = round(record.accepted_tokens / record.drafted_tokens, 3)
         if record.account is not None:
             line["account"] = record.account
         if error_type is not None:
@@ -100,9 +103,10 @@ class BodyLimitMiddleware:
     a 413 in the spec's error shape (Starlette's own limiter answers in plain text).
     """
 
-    def __init__(self, app: ASGIApp, max_body_size: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_size: int, timeout_s: float = 60.0) -> None:
         self.app = app
         self.max_body_size = max_body_size
+        self.timeout_s = timeout_s
 
     @property
     def _message(self) -> str:
@@ -117,16 +121,30 @@ class BodyLimitMiddleware:
             await APIError(413, self._message).response()(scope, receive, send)
             return
         received = 0
+        complete = False
+        deadline: float | None = None
 
         async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete, deadline
+            if complete:  # the body is in: what comes now is the client leaving, whenever
+                return await receive()
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                # A client sending its body byte by byte would hold the connection for ever.
+                raise HTTPException(408, f"the request body took over {self.timeout_s:g} s to arrive "
+                                         "(limit --limit-body-timeout-s)") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.max_body_size:
                     # Raised inside the app's body read: FastAPI passes HTTP exceptions on to
                     # the error handlers (anything else there would become a 400).
                     raise HTTPException(413, self._message)
+            else:
+                complete = True
             return message
 
         await self.app(scope, counting_receive, send)

@@ -19,6 +19,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding: drafts verified
+    accepted_tokens: int = 0  # and accepted
     ttft_s: float | None = None
     error_type: str | None = None  # also set for errors sent inside a started stream
     streams: list[EngineStream] = field(default_factory=list)

@@ -36,10 +36,11 @@ class ChatOutputParser:
         reasoning: ReasoningParser | None = None,
         starts_in_reasoning: bool = False,
         tools: ToolParser | None = None,
+        max_calls: int | None = None,
     ) -> None:
         self._reasoning = reasoning
         self._starts_in_reasoning = starts_in_reasoning
-        self._tools = ToolCallStreamer(tools) if tools is not None else None
+        self._tools = ToolCallStreamer(tools, max_calls=max_calls) if tools is not None else None
         self._text = ""
         self._reasoning_sent = 0
         self._reasoning_text = ""
@@ -62,19 +63,25 @@ class ChatOutputParser:
         self._reasoning_text = reasoning_text
         if self._tools is not None:
             out.content, out.tool_calls = self._tools.update(content_text, final=final)
-            self._content += out.content
         else:
             out.content = content_text[self._content_sent:]
             self._content_sent = max(self._content_sent, len(content_text))
             self._content = content_text
         return out
 
+    @property
+    def stop_requested(self) -> bool:
+        """The answer is complete though the model goes on (a repeated or one call too many)."""
+        return self._tools is not None and self._tools.stop_requested
+
     def result(self) -> ChatOutput:
-        """The answer after the final feed."""
-        calls: list[tuple[str, ParsedToolCall]] = []
-        if self._tools is not None:
-            ids = self._tools.call_ids
-            calls = [(ids[i], call) for i, call in enumerate(self._tools.last.calls) if call.complete and i < len(ids)]
+        """The answer after the final feed: exactly what the deltas added up to."""
+        calls = self._tools.calls if self._tools is not None else []
         reasoning = self._reasoning_text if self._reasoning is not None and self._reasoning_text else None
-        content = "".join(self._plain) if self._plain else self._content
+        if self._plain:
+            content = "".join(self._plain)
+        elif self._tools is not None:
+            content = self._tools.content
+        else:
+            content = self._content
         return ChatOutput(reasoning=reasoning, content=content, tool_calls=calls)

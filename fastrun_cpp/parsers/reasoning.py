@@ -23,6 +23,10 @@ class ReasoningSplit:
 class ReasoningParser(ABC):
     name: ClassVar[str]
     needs_special_tokens: ClassVar[bool] = False
+    # Text after which the answer starts (a grammar for the answer takes over there), and the
+    # text that opens the reasoning when the model writes it itself.
+    answer_marker: ClassVar[str]
+    opening: ClassVar[str | None] = None
 
     @abstractmethod
     def split(self, text: str, *, starts_in_reasoning: bool, final: bool) -> ReasoningSplit:
@@ -39,6 +43,8 @@ class ThinkTagParser(ReasoningParser):
 
     name = "think"
     start, end = "<think>", "</think>"
+    answer_marker = end
+    opening = start
 
     def starts_in_reasoning(self, prompt: str) -> bool:
         tail = prompt.rstrip()
@@ -69,6 +75,7 @@ class HarmonyParser(ReasoningParser):
 
     name = "harmony"
     needs_special_tokens = True
+    answer_marker = "<|channel|>final<|message|>"
     _MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>", "<|call|>")
     _SEGMENT = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
                           re.S)

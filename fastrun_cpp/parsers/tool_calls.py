@@ -65,6 +65,15 @@ class ToolParser(ABC):
         """GBNF of the whole answer: `at_least`..`at_most` calls in this format."""
         raise UnsupportedToolChoice(f"forcing tool calls is not supported for the {self.name} format")
 
+    @property
+    def can_force(self) -> bool:
+        """Whether calls in this format can be enforced by a grammar."""
+        try:
+            self.call_grammar('"f"', "args")
+        except UnsupportedToolChoice:
+            return False
+        return True
+
     def lazy_triggers(self) -> tuple[Trigger, ...]:
         """Where the call grammar takes over in `auto` mode: at a call's opening text."""
         return tuple(Trigger(trigger) for trigger in self.triggers)
@@ -340,36 +349,69 @@ class ToolCallDelta:
 
 class ToolCallStreamer:
     """Turns growing text into content deltas and tool-call deltas (OpenAI's streaming shape:
-    id and name first, then argument fragments), by re-parsing and sending what grew."""
+    id and name first, then argument fragments), by re-parsing and sending what grew.
 
-    def __init__(self, parser: ToolParser) -> None:
+    Nothing sent is ever taken back: at the end, a call that was started stays a call even if
+    the answer was cut inside it (finish_reason "length" tells the client). The first call
+    streams as it is generated; later ones are sent once complete, so that a call repeating an
+    earlier one identically - a small model looping, not a parallel call - is never sent: it
+    ends the answer instead (`stop_requested`). So does the last call allowed (`max_calls`).
+    """
+
+    def __init__(self, parser: ToolParser, *, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
         self._content_sent = 0
-        self._calls: list[tuple[str, int]] = []  # (id, argument characters sent) per started call
-        self.last: ToolParse = ToolParse("")
+        self._calls: list[list] = []  # [id, name, arguments sent, complete] per call sent
+        self.stop_requested = False
+        self.content = ""
 
     def update(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """What is new in `text` (all the text so far) since the last update."""
-        parse = self.last = self.parser.parse(text, final=final)
-        content = parse.content[self._content_sent:]
+        parse = self.parser.parse(text, final=False)
+        if final and not any(call.name for call in parse.calls):
+            parse = self.parser.parse(text, final=True)  # no call started: the parser decides
+        content = parse.content[self._content_sent:] if not self._calls else ""
         self._content_sent = max(self._content_sent, len(parse.content))
+        self.content += content
         deltas: list[ToolCallDelta] = []
         for index, call in enumerate(parse.calls):
-            if call.name is None:
+            if self.stop_requested or call.name is None:
+                break
+            if self.max_calls is not None and index >= self.max_calls:
+                self.stop_requested = True
                 break
             if index >= len(self._calls):
-                self._calls.append((new_call_id(), 0))
+                if index > 0 and not call.complete:
+                    break  # later calls go out whole (see above)
+                if index > 0 and any(c[3] and c[1] == call.name and _same_json(c[2], call.arguments)
+                                     for c in self._calls):
+                    self.stop_requested = True
+                    break
+                self._calls.append([new_call_id(), call.name, "", False])
                 deltas.append(ToolCallDelta(index, id=self._calls[index][0], name=call.name))
-            call_id, sent = self._calls[index]
-            fragment = call.arguments[sent:]
+            sent = self._calls[index]
+            fragment = call.arguments[len(sent[2]):] if call.arguments.startswith(sent[2]) else ""
             if fragment:
                 if deltas and deltas[-1].index == index and deltas[-1].id is not None and not deltas[-1].arguments:
                     deltas[-1].arguments = fragment
                 else:
                     deltas.append(ToolCallDelta(index, arguments=fragment))
-                self._calls[index] = (call_id, len(call.arguments))
+                sent[2] += fragment
+            sent[3] = call.complete
+            if self.max_calls is not None and index + 1 >= self.max_calls and call.complete:
+                self.stop_requested = True
         return content, deltas
 
     @property
-    def call_ids(self) -> list[str]:
-        return [call_id for call_id, _ in self._calls]
+    def calls(self) -> list[tuple[str, ParsedToolCall]]:
+        """The calls sent so far: (id, call), complete or cut short."""
+        return [(call_id, ParsedToolCall(name, arguments, complete))
+                for call_id, name, arguments, complete in self._calls]
+
+
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except (ValueError, RecursionError):
+        return a == b

@@ -16,6 +16,8 @@ from fastrun_cpp.engine.backend import system_info
 from fastrun_cpp.engine.disk_cache import DiskPromptCache, file_identity, namespace_of
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import gpu_offload_available
+from fastrun_cpp.engine.speculative import SpeculationConfig
+from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.pool import EnginePool
 from fastrun_cpp.parsers import ReasoningParser, ToolParser, select_reasoning_parser, select_tool_parser
 from fastrun_cpp.registry import ModelConfig
@@ -103,7 +105,7 @@ def is_deterministic(config: ModelConfig) -> bool:
     return config.deterministic and not uses_gpu(config)
 
 
-def engine_config(config: ModelConfig, *, threads: int) -> EngineConfig:
+def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = None) -> EngineConfig:
     deterministic = is_deterministic(config)
     cache_type_v = config.gpu.cache_type_v
     cache_type_k = config.gpu.cache_type_k or ("bf16" if deterministic else "f16")
@@ -124,6 +126,9 @@ def engine_config(config: ModelConfig, *, threads: int) -> EngineConfig:
         flash_attn="on" if deterministic else config.gpu.flash_attn,
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
+        grammar_step_ms=(limits or Limits()).grammar_step_ms,
+        speculation=SpeculationConfig(kind=config.spec_type, draft_max=config.spec_draft_max,
+                                      draft_min=min(config.spec_draft_min, config.spec_draft_max)),
     )
 
 
@@ -165,7 +170,7 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
 
 
 async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: str = "",
-                             prompt_cache_dir: Path | None = None) -> ModelRuntime:
+                             prompt_cache_dir: Path | None = None, limits: Limits | None = None) -> ModelRuntime:
     """Pull (if from the Hub) and load the GGUF and start its engines in this process."""
     load_delay = Faults.parse(faults_spec).load_delay_s
     if load_delay:
@@ -174,7 +179,7 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     path = await asyncio.to_thread(config.resolve_path)
     weights = await asyncio.to_thread(load_weights, config, path)
     model = weights[0]
-    settings = engine_config(config, threads=threads)
+    settings = engine_config(config, threads=threads, limits=limits)
     if settings.ctx_size > model.n_ctx_train:
         logger.warning("ctx_size %d exceeds the %d tokens %s was trained on; answers may degrade past that",
                        settings.ctx_size, model.n_ctx_train, config.id)
@@ -182,7 +187,7 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
         logger.warning("%s: with --no-swa-full, sliding-window KV is a ring buffer whose cell order depends on "
                        "each slot's history: cache hits are not bit-exact (use --swa-full for that)", config.id)
     chat_template, tool_parser, reasoning_parser = chat_setup(config, model)
-    grammars = GrammarCompiler(model)
+    grammars = GrammarCompiler(model, limits)
     disk = await asyncio.to_thread(disk_cache_for, config, settings, model, path, prompt_cache_dir)
     pool = EnginePool([
         AsyncEngine(weights[i], settings, grammars, Faults.parse(faults_spec, replica=i), disk)

@@ -9,7 +9,6 @@ silently dropping - what a grammar cannot enforce.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from typing import Any, Callable
@@ -40,6 +39,7 @@ _SHORTHAND_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_", "s": " \\t"}
 _CONVERTER_FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
 _MAX_DIGITS = 16  # integers are at most this many digits (as the converter's own rule)
 # JSON forbids raw control characters in strings; the converter's own rules let them through.
+_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _STRING_CHAR = BuiltinRule(
     r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])', []
 )
@@ -50,39 +50,34 @@ class SchemaError(ValueError):
     """The schema is invalid, or asks for something a grammar cannot enforce."""
 
 
-def schema_to_gbnf(schema: dict[str, Any]) -> str:
-    """The GBNF grammar of `schema`; raises SchemaError. Results are cached by schema.
+def schema_to_gbnf(schema: dict[str, Any], *, strict: bool = True) -> str:
+    """The GBNF grammar of `schema`; raises SchemaError.
 
     Properties come in the order the schema lists them, as OpenAI's structured outputs do.
-    An empty schema (any JSON value) is grammars/json.gbnf.
+    An empty schema (any JSON value) is grammars/json.gbnf. Keywords a grammar cannot enforce
+    are refused when `strict`, else left out of the grammar (the caller validates after).
     """
     if schema == {}:
         return base_grammar("json")
-    try:
-        # The key keeps property order: it is part of what the grammar produces.
-        schema_json = json.dumps(schema)
-    except (TypeError, ValueError) as exc:
-        raise SchemaError(f"the schema is not JSON: {exc}") from exc
-    return _convert(schema_json)
-
-
-@functools.lru_cache(maxsize=256)
-def _convert(schema_json: str) -> str:
-    schema = json.loads(schema_json)
-    _check_schema(schema, "#", invalid="invalid JSON schema")
+    schema = _checked(schema, "#", invalid="invalid JSON schema", strict=strict)
     converter = _Converter(_property_order(schema))
     _visit_schema(converter, schema, ref_base="request", rule_name="", subject="the schema")
     return converter.format_grammar()
 
 
-def _check_schema(schema: Any, where: str, *, invalid: str) -> None:
-    """Raise SchemaError unless `schema` is valid JSON Schema whose every keyword a grammar
-    enforces (`invalid` starts the message for an invalid one)."""
+def _checked(schema: Any, where: str, *, invalid: str, strict: bool) -> Any:
+    """`schema` if it is valid JSON Schema whose every keyword a grammar enforces; with
+    `strict` off, a copy without the keywords it cannot. Raises SchemaError (`invalid` starts
+    the message for an invalid schema)."""
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(f"the schema is not JSON: {exc}") from exc
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise SchemaError(f"{invalid}: {exc.message}") from exc
-    _check_enforceable(schema, where)
+    return _enforceable(schema, where, strict)
 
 
 def _visit_schema(converter: _Converter, schema: Any, *, ref_base: str, rule_name: str, subject: str) -> str:
@@ -95,29 +90,43 @@ def _visit_schema(converter: _Converter, schema: Any, *, ref_base: str, rule_nam
         raise SchemaError(f"{subject} cannot be turned into a grammar: {exc}") from exc
 
 
-def _check_enforceable(node: Any, where: str) -> None:
+def _enforceable(node: Any, where: str, strict: bool) -> Any:
+    """The schema with what a grammar cannot enforce refused (strict) or dropped."""
     if not isinstance(node, dict):
-        return  # true / false (e.g. additionalProperties: false) and non-schemas
+        return node  # true / false (e.g. additionalProperties: false) and non-schemas
+
+    def refuse(problem: str) -> None:
+        if strict:
+            raise SchemaError(f"{where}: {problem}")
+
+    out: dict[str, Any] = {}
     for keyword, value in node.items():
         if keyword in _ANNOTATIONS:
+            out[keyword] = value
             continue
         if keyword not in _ENFORCED:
-            raise SchemaError(f"{where}: the keyword {keyword!r} cannot be enforced by a grammar")
+            refuse(f"the keyword {keyword!r} cannot be enforced by a grammar")
+            continue
         if keyword == "$ref" and not str(value).startswith("#"):
             raise SchemaError(f"{where}: only local $ref (\"#/...\") are supported, not {value!r}")
         if keyword == "format" and value not in _CONVERTER_FORMATS and value not in _FORMAT_PATTERNS:
-            raise SchemaError(f"{where}: the string format {value!r} is not supported")
-        if keyword in ("properties", "$defs", "definitions"):
-            for name, sub in value.items():
-                _check_enforceable(sub, f"{where}/{keyword}/{name}")
+            refuse(f"the string format {value!r} is not supported")
+            continue
+        if keyword in _NUMBER_BOUNDS and node.get("type") == "number" and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and value != int(value):
+            refuse(f"bounds of a non-integer number must be whole numbers, not {value}")
+            continue
+        if keyword in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            value = {name: _enforceable(sub, f"{where}/{keyword}/{name}", strict) for name, sub in value.items()}
         elif keyword in ("items", "additionalProperties") and isinstance(value, dict):
-            _check_enforceable(value, f"{where}/{keyword}")
-        elif keyword in ("anyOf", "oneOf", "allOf", "prefixItems") or (keyword == "items" and isinstance(value, list)):
-            for index, sub in enumerate(value):
-                _check_enforceable(sub, f"{where}/{keyword}/{index}")
-    if "allOf" in node and any(not isinstance(s, dict) or "properties" not in s and "$ref" not in s
-                               for s in node["allOf"]):
+            value = _enforceable(value, f"{where}/{keyword}", strict)
+        elif isinstance(value, list) and (keyword in ("anyOf", "oneOf", "allOf", "prefixItems") or keyword == "items"):
+            value = [_enforceable(sub, f"{where}/{keyword}/{index}", strict) for index, sub in enumerate(value)]
+        out[keyword] = value
+    if "allOf" in out and any(not isinstance(s, dict) or "properties" not in s and "$ref" not in s
+                              for s in out["allOf"]):
         raise SchemaError(f"{where}: allOf is supported for combining object schemas only")
+    return out
 
 
 def _property_order(schema: Any) -> dict[str, int]:
@@ -344,22 +353,24 @@ def _same_length(low: str, high: str) -> list[str]:
 # ------------------------------------------------------------------ tool calls
 
 def tool_calls_gbnf(
-    functions: list[tuple[str, dict[str, Any]]],
+    functions: list[tuple[str, dict[str, Any], bool]],
     call_rule: Callable[[str, str], str],
     calls_rule: Callable[[str], str],
 ) -> str:
     """A grammar of tool calls: `call_rule(name_literal, arguments_rule)` writes one call in
-    the model's format, `calls_rule(call)` how many there are. Each function's arguments
-    follow its `parameters` schema (checked like a response_format schema)."""
+    the model's format, `calls_rule(call)` how many there are. Each function (name,
+    parameters, strict) has its arguments follow its `parameters` schema, checked like a
+    response_format schema: all of it when strict, else what a grammar can enforce."""
     if not functions:
         raise SchemaError("no functions to call")
     order: dict[str, int] = {}
-    for _, parameters in functions:
+    for _, parameters, _ in functions:
         order.update({k: v + len(order) for k, v in _property_order(parameters).items() if k not in order})
     converter = _Converter(order)
     alternatives = []
-    for index, (name, parameters) in enumerate(functions):
-        _check_schema(parameters, f"function {name!r}", invalid=f"function {name!r}: invalid parameters schema")
+    for index, (name, parameters, strict) in enumerate(functions):
+        parameters = _checked(parameters, f"function {name!r}", invalid=f"function {name!r}: invalid parameters schema",
+                              strict=strict)
         arguments_rule = _visit_schema(converter, parameters, ref_base=f"tool-{index}", rule_name=f"fn{index}-args",
                                        subject=f"function {name!r}: the parameters")
         name_literal = converter._format_literal(name)[1:-1]  # escaped, without the quotes

@@ -25,6 +25,7 @@ from fastrun_cpp.entrypoints.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
+from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.entrypoints.openai.errors import install_error_handlers
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletion,
@@ -41,6 +42,7 @@ from fastrun_cpp.entrypoints.openai.utils import ClientDisconnected, cancel_on_d
 from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.runtime import load_local_runtime
 from fastrun_cpp.settings import Settings
+from fastrun_cpp.structured.builder import GrammarBuilder
 
 logger = logging.getLogger("fastrun_cpp")
 
@@ -74,12 +76,19 @@ def respond(request: Request, result) -> Response:
     return JSONResponse(result.model_dump(mode="json"))
 
 
-@router.post("/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
+def _body(model) -> dict:
+    """The request body's schema for the OpenAPI document (bodies are parsed by the handlers,
+    off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=_ERRORS,
+             openapi_extra=_body(ChatCompletionRequest))
 async def create_chat_completion(
-    request: ChatCompletionRequest,
     raw_request: Request,
     handler: Annotated[OpenAIServingChat, Depends(serving_chat)],
 ) -> Response:
+    request = await handler.parse(raw_request, ChatCompletionRequest)
     try:
         result = await cancel_on_disconnect(raw_request, handler.create_chat_completion(request))
     except ClientDisconnected:
@@ -87,12 +96,12 @@ async def create_chat_completion(
     return respond(raw_request, result)
 
 
-@router.post("/completions", response_model=Completion, responses=_ERRORS)
+@router.post("/completions", response_model=Completion, responses=_ERRORS, openapi_extra=_body(CompletionRequest))
 async def create_completion(
-    request: CompletionRequest,
     raw_request: Request,
     handler: Annotated[OpenAIServingCompletion, Depends(serving_completion)],
 ) -> Response:
+    request = await handler.parse(raw_request, CompletionRequest)
     try:
         result = await cancel_on_disconnect(raw_request, handler.create_completion(request))
     except ClientDisconnected:
@@ -128,7 +137,7 @@ async def load_model(settings: Settings, served: ServedModel) -> None:
     or failed with the reason."""
     try:
         runtime = await load_local_runtime(served.config, threads=settings.threads, faults_spec=settings.debug_faults,
-                                           prompt_cache_dir=settings.prompt_cache_dir)
+                                           prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits)
         served.ready(runtime)
     except Exception as exc:  # a model that cannot load makes the server say 503, not crash
         logger.exception("could not load %s", served.id)
@@ -149,7 +158,10 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     registry = registry_from_settings(settings)
     models = OpenAIServingModels([ServedModel(id=config.id, config=config) for config in registry.models])
     metrics = ServerMetrics(models.engines) if settings.metrics else None
+    grammar_builder = GrammarBuilder(settings.limits, hang_on_request=Faults.parse(settings.debug_faults).schema_hang)
     serving_options = dict(
+        limits=settings.limits,
+        grammar_builder=grammar_builder,
         prompt_pool=ThreadPoolExecutor(4, thread_name_prefix="fastrun-prompt"),
         metrics=metrics,
         request_timeout_s=settings.request_timeout_s,
@@ -174,6 +186,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
             for task in loading:
                 task.cancel()
             await authenticator.stop()
+            grammar_builder.close()
             for served in models:
                 if served.runtime is not None:
                     await served.runtime.close()
@@ -193,7 +206,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
 
     install_error_handlers(app)
     # Added last = outermost: request context, CORS (answers preflights), keys, body size.
-    app.add_middleware(BodyLimitMiddleware, max_body_size=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimitMiddleware, max_body_size=MAX_BODY_BYTES, timeout_s=settings.limits.body_timeout_s)
     app.add_middleware(APIKeyMiddleware, authenticator=authenticator)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],

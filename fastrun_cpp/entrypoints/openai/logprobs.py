@@ -43,9 +43,26 @@ class CompletionLogprobsBuilder:
         self._token_bytes = token_bytes
         self._decoder = IncrementalDetokenizer(token_bytes)
         self._offset = 0
+        self._pending = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+    def add_prompt(self, tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
+        """The echoed prompt's tokens, to come first (the first has no logprob: null)."""
+        pending = self._pending
+        for token, entry in zip(tokens, logprobs):
+            text = _token_text(self._token_bytes, token)
+            pending.tokens.append(text)
+            pending.token_logprobs.append(None if entry is None else entry.logprob)
+            top = None
+            if entry is not None:
+                top = {_token_text(self._token_bytes, top_id): top_lp for top_id, top_lp in entry.top}
+                top.setdefault(text, entry.logprob)
+            pending.top_logprobs.append(top)
+            pending.text_offset.append(self._offset)
+            self._offset += len(self._decoder.push(token))
 
     def add(self, logprobs: list[TokenLogprob]) -> CompletionLogprobs:
-        result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        result, self._pending = self._pending, CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
+                                                                  text_offset=[])
         for entry in logprobs:
             text = _token_text(self._token_bytes, entry.token_id)
             result.tokens.append(text)

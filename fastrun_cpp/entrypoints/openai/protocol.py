@@ -1,7 +1,9 @@
-"""Pydantic models of the fastrun API, mirroring ../shared/spec/openapi.yaml one to one.
+"""Pydantic models of the fastrun API, mirroring ../shared/spec/openapi.yaml one to one, plus
+the OpenAI parameters clients send beyond it (n, logit_bias, echo, suffix, best_of...).
 
-Requests accept (and ignore) fields the spec does not name, as OpenAI's own API does, so
-SDKs that send extras keep working; every named field is validated to the spec's range.
+Types are JSON's, strictly: a string is not a boolean or a number (an integer is a number).
+Requests accept fields the spec does not name, as OpenAI's own API does, so SDKs that forward
+extras keep working; every named field is validated to its range.
 """
 
 from __future__ import annotations
@@ -30,7 +32,17 @@ def unix_time() -> int:
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def unknown_fields(self) -> list[str]:
+        """Names of fields sent that no model here defines, at any depth (for the debug log)."""
+        names = [f"{name}" for name in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, RequestModel):
+                    names += [f"{name}.{extra}" for extra in item.unknown_fields()]
+        return names
 
 
 class ResponseModel(BaseModel):
@@ -73,6 +85,7 @@ class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # true: every schema keyword must be enforced, else a 400
 
 
 class Tool(RequestModel):
@@ -137,8 +150,8 @@ class CompletionLogprobs(ResponseModel):
     """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -190,6 +203,9 @@ class ChatMessage(RequestModel):
         return "\n".join(part["text"] for part in self.content)
 
 
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]  # token id (as JSON keys are) -> bias
+
+
 class ChatCompletionRequest(RequestModel):
     model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -209,12 +225,21 @@ class ChatCompletionRequest(RequestModel):
     seed: Annotated[int, Field(ge=0, le=2147483647)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logit_bias: LogitBias | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=8)] | None = None
+    speculative: bool | None = None  # false: no speculative decoding for this request
+    # Accepted and ignored (README: OpenAI parameters).
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -307,7 +332,13 @@ class CompletionRequest(RequestModel):
     stop: StopSequences | None = None
     seed: int | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    logit_bias: LogitBias | None = None
+    n: Annotated[int, Field(ge=1, le=8)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=8)] | None = None  # >= n; the n with the best mean logprob
+    echo: bool = False  # the prompt comes back in front of each answer
+    suffix: str | None = None  # fill in the middle, between prompt and suffix
+    speculative: bool | None = None  # false: no speculative decoding for this request
+    user: str | None = None  # accepted and ignored
 
     @field_validator("prompt", mode="after")
     @classmethod
@@ -315,6 +346,14 @@ class CompletionRequest(RequestModel):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be an empty list")
         return prompt
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise ValueError("best_of must be at least n")
+        if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
+            raise ValueError("best_of cannot be streamed (the best answers are known only at the end)")
+        return self
 
 
 class CompletionChoice(ResponseModel):

@@ -1,16 +1,17 @@
-"""POST /v1/chat/completions: prompt rendering (tools, reasoning switches), constrained tool
-calls, and splitting the answer into reasoning, content and tool calls."""
+"""POST /v1/chat/completions: prompt rendering (tools, reasoning switches, control tokens in
+user text kept plain), grammars (response formats, tool calls, after the reasoning when the
+model thinks), n choices, and splitting each answer into reasoning, content and tool calls."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastrun_cpp.chat import ChatTemplateError
-from fastrun_cpp.engine import FinishReason, GenerationRequest
-from fastrun_cpp.structured.spec import GrammarSpec
+from fastrun_cpp.chat.escape import ControlTextEscaper
+from fastrun_cpp.engine import FinishReason, GenerationOutput, GenerationRequest
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.logprobs import chat_logprobs
 from fastrun_cpp.entrypoints.openai.protocol import (
@@ -30,30 +31,34 @@ from fastrun_cpp.entrypoints.openai.protocol import (
     unix_time,
 )
 from fastrun_cpp.entrypoints.openai.serving_engine import (
+    ChoiceCollector,
     OpenAIServing,
-    collect,
     openai_finish_reason,
-    sampling_params,
     stop_sequences,
     stream_error_event,
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
-from fastrun_cpp.parsers import ToolFunction, ToolParser
+from fastrun_cpp.parsers import ReasoningParser, ToolFunction, ToolParser
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
-from fastrun_cpp.parsers.tool_calls import FallbackToolParser, UnsupportedToolChoice
-from fastrun_cpp.structured import SchemaError, tool_calls_gbnf
+from fastrun_cpp.parsers.tool_calls import FallbackToolParser
+from fastrun_cpp.runtime import EngineStream, ModelRuntime
+from fastrun_cpp.structured import base_grammar
+from fastrun_cpp.structured.builder import BuildError
+from fastrun_cpp.structured.reasoning import with_optional_reasoning
+from fastrun_cpp.structured.spec import GrammarSpec, Trigger
+from fastrun_cpp.structured.validation import check_instance
 
 logger = logging.getLogger(__name__)
 
-MAX_FORCED_CALLS = 8  # `tool_choice: required` allows this many calls in one answer
+MAX_PARALLEL_CALLS = 8  # tool calls one answer may hold
 
 
 def _arguments_object(arguments: str) -> Any:
     """Templates expect arguments as a mapping; OpenAI sends a JSON string."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
     return value if isinstance(value, dict) else arguments
 
@@ -71,9 +76,8 @@ def template_messages(messages: list[ChatMessage], *, tools_as_text: bool) -> li
         if tools_as_text:
             if message.tool_calls:
                 calls = "\n".join(
-                    "<tool_call>\n" + json.dumps({"name": c.function.name,
-                                                  "arguments": _arguments_object(c.function.arguments)})
-                    + "\n</tool_call>"
+                    "<tool_call>\n" + json.dumps({"name": c.function.name, "arguments": _arguments_object(
+                        c.function.arguments)}) + "\n</tool_call>"
                     for c in message.tool_calls
                 )
                 item["content"] = (item["content"] + "\n" if item["content"] else "") + calls
@@ -98,46 +102,65 @@ def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[st
     return [{"role": "system", "content": text}, *messages]
 
 
+@dataclass
+class _Plan:
+    """How one request is answered: parsers, grammar, and what to check afterwards."""
+
+    tool_parser: ToolParser | None
+    reasoning_parser: ReasoningParser | None
+    starts_in_reasoning: bool
+    max_calls: int | None
+    grammar: GrammarSpec | None = None
+    lenient_schemas: dict[str, Any] | None = None  # function name -> parameters, validated after
+    lenient_response_schema: dict[str, Any] | None = None
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(reasoning=self.reasoning_parser, starts_in_reasoning=self.starts_in_reasoning,
+                                tools=self.tool_parser, max_calls=self.max_calls)
+
+
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest
-    ) -> ChatCompletion | AsyncIterator[str]:
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[str]:
         served = self.served_model(request.model)
         runtime = served.runtime
         tool_parser = self._tool_parser(runtime, request)
         forced_calls = tool_parser is not None and request.tool_choice not in (None, "auto")
-        # Forced calls are constrained from the first token: no room for thinking.
-        reasoning_parser = None if forced_calls else runtime.reasoning_parser
-        prompt = await self.in_prompt_pool(self._render, served, request, tool_parser)
-        grammar = await self._tool_grammar(served, request, tool_parser)
-        if grammar is None:
-            grammar = await self.response_grammar(served, request.response_format)
+        constrained = forced_calls or (request.response_format is not None and request.response_format.type != "text")
+        thinking = runtime.reasoning_parser is not None and self._thinking_on(request)
+        # A grammar from the first token leaves no room for reasoning; with thinking on, the
+        # grammar waits for the reasoning to end.
+        reasoning_parser = runtime.reasoning_parser if thinking or not constrained else None
+        prompt, prompt_tokens = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        plan = _Plan(
+            tool_parser=tool_parser,
+            reasoning_parser=reasoning_parser,
+            starts_in_reasoning=reasoning_parser is not None and reasoning_parser.starts_in_reasoning(prompt),
+            max_calls=1 if request.parallel_tool_calls is False or hasattr(request.tool_choice, "function") else None,
+        )
+        await self._plan_grammar(served, request, plan, thinking)
         needs_special = any(p is not None and p.needs_special_tokens for p in (tool_parser, reasoning_parser))
         generation = GenerationRequest(
             request_id=random_id("chatcmpl"),
-            prompt_tokens=await self.tokenize(served, prompt),
-            sampling=sampling_params(request, served),
+            prompt_tokens=prompt_tokens,
+            sampling=self.sampling_params(request, served),
             max_tokens=request.max_tokens or request.max_completion_tokens,
             stop=stop_sequences(request.stop),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-            grammar=grammar,
+            grammar=plan.grammar,
             render_special_tokens=needs_special,
-        )
-        parser = ChatOutputParser(
-            reasoning=reasoning_parser,
-            starts_in_reasoning=reasoning_parser is not None and reasoning_parser.starts_in_reasoning(prompt),
-            tools=tool_parser,
+            n=request.n or 1,
+            speculative=request.speculative is not False,
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._stream(served, request, generation, stream, parser, include_usage)
-        return await self._complete(served, request, generation, stream, parser)
+            return self._stream(served, request, generation, stream, plan, include_usage)
+        return await self._complete(served, request, generation, stream, plan)
 
     # ------------------------------------------------------------------ prompt
 
     @staticmethod
-    def _tool_parser(runtime, request: ChatCompletionRequest) -> ToolParser | None:
+    def _tool_parser(runtime: ModelRuntime, request: ChatCompletionRequest) -> ToolParser | None:
         """The model's tool-call parser when this request offers tools."""
         if not request.tools or request.tool_choice == "none":
             return None
@@ -157,21 +180,38 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["reasoning_effort"] = effort
         return {**kwargs, **(request.chat_template_kwargs or {})}
 
-    def _render(self, served: ServedModel, request: ChatCompletionRequest, tool_parser: ToolParser | None) -> str:
-        tools_as_text = isinstance(served.runtime.tool_parser, FallbackToolParser)
+    def _thinking_on(self, request: ChatCompletionRequest) -> bool:
+        return bool(self._thinking_kwargs(request).get("enable_thinking"))
+
+    def _prompt(self, served: ServedModel, request: ChatCompletionRequest,
+                tool_parser: ToolParser | None) -> tuple[str, list[int]]:
+        """The rendered prompt and its tokens (in the prompt pool). Control-token text in the
+        messages and tools stays plain text; the template's own markup is parsed."""
+        runtime = served.runtime
+        tokenizer = runtime.tokenizer
+        escaper = ControlTextEscaper(tokenizer.control_texts)
+        tools_as_text = isinstance(runtime.tool_parser, FallbackToolParser)
         messages = template_messages(request.messages, tools_as_text=tools_as_text)
         template_tools = None
         if tool_parser is not None:
-            functions = self._functions(request)
-            instructions = tool_parser.system_prompt(functions)
+            instructions = tool_parser.system_prompt(self._functions(request))
             if instructions:
                 messages = _with_system_text(messages, instructions)
             else:
                 template_tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         try:
-            return served.runtime.chat_template.render(messages, tools=template_tools, template_kwargs=self._thinking_kwargs(request))
+            prompt = runtime.chat_template.render(
+                escaper.escape_all(messages),
+                tools=escaper.escape_all(template_tools),
+                template_kwargs=self._thinking_kwargs(request),
+            )
         except ChatTemplateError as exc:
             raise bad_request(str(exc)) from exc
+        self.check_prompt_text(served, prompt)
+        tokens = escaper.tokenize(prompt, lambda text, first: tokenizer.tokenize_prompt(text, first=first),
+                                  tokenizer.tokenize_plain)
+        self.check_prompt_tokens(served, tokens)
+        return escaper.unescape(prompt), tokens
 
     @staticmethod
     def _functions(request: ChatCompletionRequest) -> list[ToolFunction]:
@@ -181,97 +221,143 @@ class OpenAIServingChat(OpenAIServing):
             for tool in request.tools or []
         ]
 
-    async def _tool_grammar(
-        self, served: ServedModel, request: ChatCompletionRequest, tool_parser: ToolParser | None
-    ) -> GrammarSpec | None:
-        """`required` and a named function force calls from the first token; `auto` arms a lazy
-        grammar that takes over once the model starts a call, so every call is well formed."""
-        if tool_parser is None:
-            return None
+    # ------------------------------------------------------------------ grammar
+
+    async def _plan_grammar(self, served: ServedModel, request: ChatCompletionRequest, plan: _Plan,
+                            thinking: bool) -> None:
+        """The grammar that enforces tool calls or the response format, if any.
+
+        `required` and a named function force calls; `auto` arms a lazy grammar at a call's
+        opening text, so that every call, once started, is well formed. A schema keyword a
+        grammar cannot enforce is a 400 when `strict`, and otherwise left out of the grammar
+        and checked after generation. With thinking on, the grammar applies after the reasoning.
+        """
+        tool_parser = plan.tool_parser
+        response_format = request.response_format
         choice = request.tool_choice or "auto"
-        functions = self._functions(request)
-        if hasattr(choice, "function"):
-            functions = [f for f in functions if f.name == choice.function.name]
-            at_most: int | None = 1
+        lazy_tools = choice == "auto"
+        if tool_parser is not None and not (lazy_tools and response_format is not None
+                                            and response_format.type != "text"):
+            functions = [tool.function for tool in request.tools]
+            if hasattr(choice, "function"):
+                functions = [f for f in functions if f.name == choice.function.name]
+            if not tool_parser.can_force:
+                if not lazy_tools:
+                    raise bad_request(f"tool_choice: forcing tool calls is not supported for the "
+                                      f"{tool_parser.name} format")
+                return  # calls are still parsed, just not enforced
+            try:
+                gbnf = await self.grammar_builder.tool_grammar(
+                    [(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict)) for f in functions],
+                    tool_parser.name, plan.max_calls or MAX_PARALLEL_CALLS,
+                )
+            except BuildError as exc:
+                raise bad_request(f"tools: {exc}") from exc
+            plan.lenient_schemas = {f.name: f.parameters for f in functions if not f.strict and f.parameters}
+            triggers = tool_parser.lazy_triggers() if lazy_tools else ()
+            spec = GrammarSpec(gbnf, triggers)
+            field = "tools"
+        elif response_format is not None and response_format.type != "text":
+            if response_format.type == "json_object":
+                gbnf = base_grammar("json_object")
+            else:
+                json_schema = response_format.json_schema
+                gbnf = await self.schema_grammar(json_schema.schema_, strict=bool(json_schema.strict),
+                                                 field="response_format.json_schema.schema")
+                if not json_schema.strict:
+                    plan.lenient_response_schema = json_schema.schema_
+            spec = GrammarSpec(gbnf)
+            field = "response_format"
         else:
-            at_most = MAX_FORCED_CALLS
-        lazy = choice == "auto"
-        if lazy and request.response_format is not None and request.response_format.type != "text":
-            return None  # the answer's own format constrains it instead
-        try:
-            gbnf = await asyncio.to_thread(
-                tool_calls_gbnf,
-                [(f.name, f.parameters) for f in functions],
-                tool_parser.call_grammar,
-                lambda call: tool_parser.calls_grammar(call, at_least=1, at_most=at_most),
-            )
-        except UnsupportedToolChoice as exc:
-            if lazy:
-                return None  # calls are still parsed, just not enforced
-            raise bad_request(f"tool_choice: {exc}") from exc
-        except SchemaError as exc:
-            raise bad_request(f"tools: {exc}") from exc
-        triggers = tool_parser.lazy_triggers() if lazy else ()
-        return await self.checked_grammar(served, GrammarSpec(gbnf, triggers), "tools")
+            return
+        if thinking and not spec.lazy and plan.reasoning_parser is not None:
+            spec = self._after_reasoning(spec, plan)
+        plan.grammar = await self.checked_grammar(served, spec, field)
+
+    @staticmethod
+    def _after_reasoning(spec: GrammarSpec, plan: _Plan) -> GrammarSpec:
+        """Think, then constrain: the grammar takes over where the answer starts. When the
+        prompt opened the reasoning (or the model marks its answer), that is a trigger; when
+        the model opens its reasoning itself, the grammar lets a reasoning block come first."""
+        parser = plan.reasoning_parser
+        if plan.starts_in_reasoning or parser.opening is None:
+            return GrammarSpec(spec.gbnf, (Trigger(parser.answer_marker, after=True),))
+        return GrammarSpec(with_optional_reasoning(spec.gbnf, parser.opening, parser.answer_marker))
 
     # ------------------------------------------------------------------ answer
 
+    def _check_after(self, plan: _Plan, content: str, calls: list) -> None:
+        """Lenient schemas: what the grammar left out is checked now; a failure is logged and
+        the answer returned all the same."""
+        for _, call in calls:
+            schema = (plan.lenient_schemas or {}).get(call.name)
+            if schema is not None and call.complete:
+                problem = check_instance(call.arguments, schema)
+                if problem:
+                    logger.warning("tool call %s: arguments do not follow its full schema: %s", call.name, problem)
+        if plan.lenient_response_schema is not None:
+            problem = check_instance(content, plan.lenient_response_schema)
+            if problem:
+                logger.warning("response_format: the answer does not follow the full schema: %s", problem)
+
     @staticmethod
-    def _finish_reason(reason: FinishReason | None, has_calls: bool) -> str | None:
-        if has_calls and reason is FinishReason.STOP:
+    def _finish_reason(reason: FinishReason | None, has_calls: bool, stopped: bool) -> str | None:
+        if stopped or (has_calls and reason is FinishReason.STOP):
             return "tool_calls"
         return openai_finish_reason(reason)
 
-    async def _complete(
-        self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
-        stream: EngineStream, parser: ChatOutputParser,
-    ) -> ChatCompletion:
-        result = await collect(self.outputs(served, stream))
-        parser.feed(result.text, final=True)
-        answer = parser.result()
-        tool_calls = [
-            ToolCall(id=call_id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
-            for call_id, call in answer.tool_calls
-        ]
-        logprobs = None
-        if generation.logprobs is not None:
-            logprobs = chat_logprobs(served.runtime.tokenizer.token_bytes, result.logprobs or [])
-        content = answer.content if answer.content or not tool_calls else None
-        return ChatCompletion(
-            id=generation.request_id,
-            created=unix_time(),
-            model=request.model,
-            choices=[
-                ChatCompletionChoice(
-                    index=0,
-                    message=ChatResponseMessage(content=content, reasoning=answer.reasoning,
-                                                tool_calls=tool_calls or None),
-                    finish_reason=self._finish_reason(result.finish_reason, bool(tool_calls)),
-                    logprobs=logprobs,
-                )
-            ],
-            usage=usage_of([result]),
-        )
+    async def _complete(self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
+                        stream: EngineStream, plan: _Plan) -> ChatCompletion:
+        parsers = [plan.parser() for _ in range(generation.n)]
+        stopped: set[int] = set()
+        collector = ChoiceCollector()
+        async for output in self.outputs(served, stream):
+            collector.add(output)
+            index = output.index
+            if index in stopped:
+                continue
+            parsers[index].feed(output.text, final=output.finished)
+            if not output.finished and parsers[index].stop_requested:  # a repeated call, or the last allowed
+                stopped.add(index)
+                stream.stop_choice(index)
+        choices = []
+        token_bytes = served.runtime.tokenizer.token_bytes
+        results = collector.results()
+        for result in results:
+            answer = parsers[result.index].result()
+            await self.in_prompt_pool(self._check_after, plan, answer.content, answer.tool_calls)
+            tool_calls = [
+                ToolCall(id=call_id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call_id, call in answer.tool_calls
+            ]
+            logprobs = None
+            if generation.logprobs is not None:
+                logprobs = chat_logprobs(token_bytes, result.logprobs or [])
+            content = answer.content if answer.content or not tool_calls else None
+            choices.append(ChatCompletionChoice(
+                index=result.index,
+                message=ChatResponseMessage(content=content, reasoning=answer.reasoning, tool_calls=tool_calls or None),
+                finish_reason=self._finish_reason(result.finish_reason, bool(tool_calls), result.index in stopped),
+                logprobs=logprobs,
+            ))
+        return ChatCompletion(id=generation.request_id, created=unix_time(), model=request.model, choices=choices,
+                              usage=usage_of(results))
 
-    async def _stream(
-        self,
-        served: ServedModel,
-        request: ChatCompletionRequest,
-        generation: GenerationRequest,
-        stream: EngineStream,
-        parser: ChatOutputParser,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
+    async def _stream(self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
+                      stream: EngineStream, plan: _Plan, include_usage: bool) -> AsyncIterator[str]:
         created = unix_time()
         token_bytes = served.runtime.tokenizer.token_bytes
+        parsers = [plan.parser() for _ in range(generation.n)]
+        stopped: set[int] = set()
+        finals: dict[int, GenerationOutput] = {}
 
-        def chunk(delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
-            choice = ChatCompletionChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
+            choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
             return ChatCompletionChunk(
                 id=generation.request_id, created=created, model=request.model, choices=[choice]
             ).model_dump_json()
 
-        def delta_of(text: str, *, final: bool = False) -> ChatDelta | None:
+        def delta_of(parser: ChatOutputParser, text: str, *, final: bool = False) -> ChatDelta | None:
             parsed = parser.feed(text, final=final)
             if not parsed:
                 return None
@@ -283,31 +369,47 @@ class OpenAIServingChat(OpenAIServing):
             return ChatDelta(content=parsed.content or None, reasoning=parsed.reasoning or None,
                              tool_calls=calls or None)
 
-        yield chunk(ChatDelta(role="assistant", content=""))
-        last = None
+        def finish(index: int, output: GenerationOutput) -> list[str]:
+            parser = parsers[index]
+            events = []
+            if index not in stopped:
+                tail = delta_of(parser, "", final=True)
+                if tail is not None:
+                    events.append(chunk(index, tail))
+            answer = parser.result()
+            self._check_after(plan, answer.content, answer.tool_calls)
+            reason = self._finish_reason(output.finish_reason, bool(answer.tool_calls), index in stopped)
+            events.append(chunk(index, ChatDelta(), reason))
+            return events
+
+        for index in range(generation.n):
+            yield chunk(index, ChatDelta(role="assistant", content=""))
         try:
             async for output in self.outputs(served, stream):
-                last = output
-                delta = delta_of(output.text)
+                index = output.index
+                if output.finished:
+                    finals[index] = output
+                if index in stopped:
+                    continue
+                delta = delta_of(parsers[index], output.text)
                 if output.logprobs:
-                    yield chunk(delta or ChatDelta(content=""), logprobs=chat_logprobs(token_bytes, output.logprobs))
+                    yield chunk(index, delta or ChatDelta(content=""), logprobs=chat_logprobs(token_bytes, output.logprobs))
                 elif delta is not None:
-                    yield chunk(delta)
+                    yield chunk(index, delta)
+                if parsers[index].stop_requested and not output.finished:
+                    stopped.add(index)
+                    stream.stop_choice(index)
+                    for event in finish(index, output):
+                        yield event
+                elif output.finished:
+                    for event in finish(index, output):
+                        yield event
         except APIError as exc:
             yield stream_error_event(exc)
             return
-        assert last is not None
-        tail = delta_of("", final=True)
-        if tail is not None:
-            yield chunk(tail)
-        has_calls = bool(parser.result().tool_calls)
-        yield chunk(ChatDelta(), self._finish_reason(last.finish_reason, has_calls))
         if include_usage:
             yield ChatCompletionChunk(
-                id=generation.request_id,
-                created=created,
-                model=request.model,
-                choices=[],
-                usage=usage_of([last]),
+                id=generation.request_id, created=created, model=request.model, choices=[],
+                usage=usage_of([finals[i] for i in sorted(finals)]),
             ).model_dump_json()
         yield "[DONE]"

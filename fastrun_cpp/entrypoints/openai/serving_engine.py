@@ -1,14 +1,20 @@
-"""What the chat and completion endpoints share: submitting to the engine, reading its
-outputs with metrics and time limits, usage, and the mapping of engine failures to API errors."""
+"""What the chat and completion endpoints share: parsing a request off the event loop, its
+limits, tokenization, grammars, submitting to the engine, reading its outputs with metrics and
+time limits, usage, and the mapping of engine failures to API errors."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import json
 import logging
+import math
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import AsyncIterator
+from concurrent.futures import Executor
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.requests import Request
 
 from fastrun_cpp.engine import (
     CapacityError,
@@ -20,54 +26,31 @@ from fastrun_cpp.engine import (
     RequestTimedOut,
     SamplingParams,
 )
+from fastrun_cpp.engine.engine import ChoicesError
 from fastrun_cpp.engine.grammar import GrammarError
-from fastrun_cpp.structured.spec import GrammarSpec
+from fastrun_cpp.engine.request import RequestRejected
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
-from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error
+from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error, validation_message
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     PromptTokensDetails,
-    ResponseFormat,
+    RequestModel,
     Usage,
 )
 from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.limits import LimitExceeded, Limits
 from fastrun_cpp.runtime import EngineStream
-from fastrun_cpp.structured import SchemaError, base_grammar, schema_to_gbnf
+from fastrun_cpp.structured.builder import BuildError, GrammarBuilder
+from fastrun_cpp.structured.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
 # OpenAI clients send a field's JSON null to mean "the default".
 _SAMPLING_DEFAULTS = SamplingParams()
 AT_CAPACITY = "all backends for this model are at capacity"
-
-
-def sampling_params(request: ChatCompletionRequest | CompletionRequest, served: ServedModel) -> SamplingParams:
-    """The request's sampling values; what it leaves out (or sends as null) comes from the
-    model's configured defaults, else OpenAI's."""
-    model_defaults = served.sampling_defaults
-
-    def pick(name: str):
-        for source in (request, model_defaults):
-            value = getattr(source, name)
-            if value is not None:
-                return value
-        return getattr(_SAMPLING_DEFAULTS, name)
-
-    seed = request.seed
-    if seed is not None:
-        seed %= 2**32 - 1  # llama.cpp's seed is a uint32 whose max means "random"
-    return SamplingParams(
-        temperature=pick("temperature"),
-        top_p=pick("top_p"),
-        top_k=pick("top_k"),
-        min_p=pick("min_p"),
-        frequency_penalty=pick("frequency_penalty"),
-        presence_penalty=pick("presence_penalty"),
-        repetition_penalty=pick("repetition_penalty"),
-        seed=seed,
-    )
+R = TypeVar("R", bound=RequestModel)
 
 
 def stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -83,9 +66,11 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
 
 
 def usage_of(outputs: list[GenerationOutput]) -> Usage:
-    prompt = sum(output.prompt_tokens for output in outputs)
+    """Usage of finished outputs: each prompt counted once (its first choice carries it), the
+    completions of every choice."""
+    prompt = sum(output.prompt_tokens for output in outputs if output.index == 0)
+    cached = sum(output.cached_tokens for output in outputs if output.index == 0)
     completion = sum(output.completion_tokens for output in outputs)
-    cached = sum(output.cached_tokens for output in outputs)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -94,25 +79,84 @@ def usage_of(outputs: list[GenerationOutput]) -> Usage:
     )
 
 
+def _check_shape(body: dict[str, Any], limits: Limits) -> None:
+    """Counts a request could make huge, checked before anything is built from them."""
+
+    def at_most(name: str, items: Any, limit: int, what: str) -> None:
+        if isinstance(items, (list, dict)) and len(items) > limit:
+            raise LimitExceeded(name, f"{what} has {len(items)} entries, over {limit}")
+
+    messages = body.get("messages")
+    at_most("messages", messages, limits.messages, "messages")
+    for index, message in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(message, dict):
+            at_most("content_parts", message.get("content"), limits.content_parts, f"messages[{index}].content")
+    at_most("tools", body.get("tools"), limits.tools, "tools")
+    at_most("prompts", body.get("prompt"), limits.prompts, "prompt")
+    at_most("logit_bias", body.get("logit_bias"), limits.logit_bias, "logit_bias")
+    stop = body.get("stop")
+    for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
+        if isinstance(text, str) and len(text) > limits.stop_length:
+            raise LimitExceeded("stop_length", f"a stop string is {len(text)} characters, over {limits.stop_length}")
+
+
 class OpenAIServing:
     def __init__(
         self,
         models: OpenAIServingModels,
         *,
+        limits: Limits,
+        grammar_builder: GrammarBuilder,
+        prompt_pool: Executor,
         metrics: ServerMetrics | None = None,
         request_timeout_s: float = 600,
         stream_timeout_s: float = 3600,
         log_prompts: bool = False,
-        prompt_pool: Executor | None = None,
     ) -> None:
         self.models = models
-        # Template rendering and tokenization: off the event loop, in a bounded pool of their
-        # own, so requests cannot starve what guards the server (key refresh, health).
-        self.prompt_pool = prompt_pool or ThreadPoolExecutor(4, thread_name_prefix="fastrun-prompt")
+        self.limits = limits
+        self.grammar_builder = grammar_builder
+        # Request parsing, template rendering and tokenization: off the event loop, in a bounded
+        # pool of their own, so requests cannot starve what guards the server (key refresh,
+        # health, shutdown).
+        self.prompt_pool = prompt_pool
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.stream_timeout_s = stream_timeout_s
         self.log_prompts = log_prompts
+
+    # ------------------------------------------------------------------ the request
+
+    async def parse(self, raw: Request, model: type[R]) -> R:
+        """The request body as `model`: read, decoded, checked against the limits and validated
+        in the prompt pool (a 64 MiB body takes a while); a 400 in the spec's shape otherwise."""
+        body = await raw.body()
+        request = await self.in_prompt_pool(self._parse, body, model)
+        unknown = request.unknown_fields()
+        if unknown:
+            logger.debug("request fields not used: %s", ", ".join(unknown))
+        return request
+
+    def _parse(self, body: bytes, model: type[R]) -> R:
+        try:
+            data = json.loads(body)
+        except RecursionError:
+            raise bad_request("the request body is not valid JSON: it nests too deeply") from None
+        except UnicodeDecodeError:
+            raise bad_request("the request body is not valid JSON: it is not UTF-8 text") from None
+        except ValueError as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            _check_shape(data, self.limits)
+            return model.model_validate(data)
+        except LimitExceeded as exc:
+            raise bad_request(str(exc)) from None
+        except ValidationError as exc:
+            raise bad_request(validation_message(RequestValidationError(exc.errors()))) from None
+        except RecursionError:
+            raise bad_request("the request nests too deeply") from None
 
     def served_model(self, model_id: str) -> ServedModel:
         served = self.models.get(model_id)
@@ -124,13 +168,67 @@ class OpenAIServing:
     async def in_prompt_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, function, *args)
 
-    async def tokenize(self, served: ServedModel, text: str) -> list[int]:
-        tokens = await self.in_prompt_pool(served.runtime.tokenizer.tokenize_prompt, text)
+    def check_prompt_text(self, served: ServedModel, text: str) -> None:
+        """Refuse, before tokenizing it, a prompt too long for any tokenization to fit: no token
+        spells more than `max_token_bytes` bytes (so more than that many characters)."""
+        runtime = served.runtime
+        if len(text) > runtime.info.max_context * runtime.tokenizer.max_token_bytes:
+            raise bad_request(f"the prompt is {len(text)} characters long, far more than the context window of "
+                              f"{runtime.info.max_context} tokens (prompt and answer together)")
+
+    def check_prompt_tokens(self, served: ServedModel, tokens: list[int]) -> None:
         try:
             served.runtime.check_prompt(len(tokens))
         except PromptTooLongError as exc:
             raise bad_request(str(exc)) from exc
+
+    async def tokenize(self, served: ServedModel, text: str) -> list[int]:
+        self.check_prompt_text(served, text)
+        tokens = await self.in_prompt_pool(served.runtime.tokenizer.tokenize_prompt, text)
+        self.check_prompt_tokens(served, tokens)
         return tokens
+
+    def sampling_params(self, request: ChatCompletionRequest | CompletionRequest, served: ServedModel) -> SamplingParams:
+        """The request's sampling values; what it leaves out (or sends as null) comes from the
+        model's configured defaults, else OpenAI's."""
+        model_defaults = served.sampling_defaults
+
+        def pick(name: str):
+            for source in (request, model_defaults):
+                value = getattr(source, name)
+                if value is not None:
+                    return value
+            return getattr(_SAMPLING_DEFAULTS, name)
+
+        seed = request.seed
+        if seed is not None:
+            seed %= 2**32 - 1  # llama.cpp's seed is a uint32 whose max means "random"
+        return SamplingParams(
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            frequency_penalty=pick("frequency_penalty"),
+            presence_penalty=pick("presence_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
+            seed=seed,
+            logit_bias=self._logit_bias(request.logit_bias, served),
+        )
+
+    @staticmethod
+    def _logit_bias(bias: dict[str, float] | None, served: ServedModel) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias}: -100 bans the token, +100 all but forces it."""
+        if not bias:
+            return ()
+        n_vocab = served.runtime.info.n_vocab
+        out = []
+        for key, value in bias.items():
+            if not key.isdigit() or int(key) >= n_vocab:
+                raise bad_request(f"logit_bias: {key!r} is not a token id of {served.id} (0..{n_vocab - 1})")
+            out.append((int(key), -math.inf if value <= -100 else value))
+        return tuple(out)
+
+    # ------------------------------------------------------------------ grammars
 
     async def checked_grammar(self, served: ServedModel, spec: GrammarSpec, field: str) -> GrammarSpec:
         """`spec` once llama.cpp has parsed it for this model (cached: the engine reuses it);
@@ -141,19 +239,13 @@ class OpenAIServing:
             raise bad_request(f"{field}: {exc}") from exc
         return spec
 
-    async def response_grammar(self, served: ServedModel, response_format: ResponseFormat | None) -> GrammarSpec | None:
-        """The grammar that enforces `response_format` (None for plain text); 400 for a schema
-        that is invalid or that a grammar cannot enforce."""
-        if response_format is None or response_format.type == "text":
-            return None
+    async def schema_grammar(self, schema: dict[str, Any], *, strict: bool, field: str) -> str:
         try:
-            if response_format.type == "json_object":
-                gbnf = base_grammar("json_object")
-            else:
-                gbnf = await asyncio.to_thread(schema_to_gbnf, response_format.json_schema.schema_)
-        except SchemaError as exc:
-            raise bad_request(f"response_format.json_schema.schema: {exc}") from exc
-        return await self.checked_grammar(served, GrammarSpec(gbnf), "response_format")
+            return await self.grammar_builder.schema_grammar(schema, strict=strict)
+        except BuildError as exc:
+            raise bad_request(f"{field}: {exc}") from exc
+
+    # ------------------------------------------------------------------ the engine
 
     async def submit(self, served: ServedModel, request: GenerationRequest, *, streaming: bool) -> EngineStream:
         """Queue a generation now, so a full server answers 429 before any response starts."""
@@ -164,6 +256,8 @@ class OpenAIServing:
             stream = await served.engine.submit(request)
         except GrammarError as exc:
             raise bad_request(f"the grammar: {exc}") from exc
+        except ChoicesError as exc:
+            raise bad_request(f"n: {exc}") from exc
         except CapacityError as exc:
             raise APIError(429, AT_CAPACITY, "rate_limit_error", retry_after=exc.retry_after_s) from exc
         except PromptTooLongError as exc:
@@ -201,25 +295,32 @@ class OpenAIServing:
             raise APIError(
                 504, f"the request was stopped at its time limit of {stream.time_limit_s:g} s", "upstream_error"
             ) from exc
+        except RequestRejected as exc:
+            raise bad_request(str(exc)) from exc
         except EngineError as exc:
             raise upstream_error(f"the model failed to answer: {exc}") from exc
         finally:
             stream.close()
 
     def _observe_first_token(self, served: ServedModel, record, ttft: float) -> None:
-        if record is not None:
+        if record is not None and record.ttft_s is None:
             record.ttft_s = ttft
         if self.metrics is not None:
             self.metrics.ttft.labels(served.id).observe(ttft)
 
     def _observe_usage(self, served: ServedModel, record, output: GenerationOutput) -> None:
+        first_choice = output.index == 0
         if record is not None:
-            record.prompt_tokens += output.prompt_tokens
-            record.cached_tokens += output.cached_tokens
+            if first_choice:
+                record.prompt_tokens += output.prompt_tokens
+                record.cached_tokens += output.cached_tokens
             record.completion_tokens += output.completion_tokens
+            record.drafted_tokens += output.drafted_tokens
+            record.accepted_tokens += output.accepted_tokens
         if self.metrics is not None:
-            self.metrics.prompt_tokens.labels(served.id).inc(output.prompt_tokens)
-            self.metrics.cached_tokens.labels(served.id).inc(output.cached_tokens)
+            if first_choice:
+                self.metrics.prompt_tokens.labels(served.id).inc(output.prompt_tokens)
+                self.metrics.cached_tokens.labels(served.id).inc(output.cached_tokens)
             self.metrics.generation_tokens.labels(served.id).inc(output.completion_tokens)
 
 
@@ -231,19 +332,38 @@ def stream_error_event(exc: APIError) -> str:
     return exc.json()
 
 
-async def collect(outputs: AsyncIterator[GenerationOutput]) -> GenerationOutput:
-    """Run a generation to the end; return all its outputs merged into one."""
-    texts: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list | None = None
-    last: GenerationOutput | None = None
-    async for output in outputs:  # joined once at the end: long answers stay linear
-        texts.append(output.text)
-        token_ids.extend(output.token_ids)
+class ChoiceCollector:
+    """Gathers each choice's outputs into one (text joined once at the end: long answers stay
+    linear)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, list[str]] = {}
+        self._tokens: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list] = {}
+        self._prompt_logprobs: dict[int, list] = {}
+        self.last: dict[int, GenerationOutput] = {}
+
+    def add(self, output: GenerationOutput) -> None:
+        index = output.index
+        self._texts.setdefault(index, []).append(output.text)
+        self._tokens.setdefault(index, []).extend(output.token_ids)
         if output.logprobs is not None:
-            logprobs = logprobs if logprobs is not None else []
-            logprobs.extend(output.logprobs)
-        last = output
-    if last is None:
-        raise upstream_error("the model returned nothing")
-    return dataclasses.replace(last, text="".join(texts), token_ids=token_ids, logprobs=logprobs)
+            self._logprobs.setdefault(index, []).extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[index] = output.prompt_logprobs
+        self.last[index] = output
+
+    def result(self, index: int) -> GenerationOutput:
+        last = self.last[index]
+        return GenerationOutput(
+            request_id=last.request_id, index=index, text="".join(self._texts[index]),
+            token_ids=self._tokens[index], finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+            cached_tokens=last.cached_tokens, completion_tokens=last.completion_tokens,
+            logprobs=self._logprobs.get(index), prompt_logprobs=self._prompt_logprobs.get(index),
+            drafted_tokens=last.drafted_tokens, accepted_tokens=last.accepted_tokens,
+        )
+
+    def results(self) -> list[GenerationOutput]:
+        if not self.last:
+            raise upstream_error("the model returned nothing")
+        return [self.result(index) for index in sorted(self.last)]

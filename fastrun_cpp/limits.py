@@ -1,0 +1,51 @@
+"""Bounds on the work a request can ask for, checked where the work is decided, before it is
+done. Each is a setting (`--limit-<name>`, FASTRUN_LIMITS__<NAME>); breaking one is a 400 that
+names it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Request shapes (the body itself is capped at 64 MiB by the spec).
+    messages: int = Field(2048, ge=1, description="Messages in a chat request.")
+    content_parts: int = Field(256, ge=1, description="Content parts in one message.")
+    tools: int = Field(128, ge=1, description="Tools in a chat request.")
+    prompts: int = Field(64, ge=1, description="Prompts in one completions request.")
+    logit_bias: int = Field(1024, ge=1, description="Entries of logit_bias.")
+    stop_length: int = Field(512, ge=1, description="Characters of one stop string.")
+    # JSON schemas (response_format, tool parameters) and their patterns.
+    schema_depth: int = Field(32, ge=1, description="Nesting depth of a JSON schema.")
+    schema_nodes: int = Field(4096, ge=1, description="Subschemas, properties and enum values in a JSON schema.")
+    repetition: int = Field(
+        1000, ge=1, description="Largest maxLength, minLength, maxItems, minItems or {m,n} a grammar may expand."
+    )
+    pattern_length: int = Field(1000, ge=1, description="Characters of one schema pattern.")
+    pattern_cost: int = Field(20000, ge=1, description="Grammar elements one pattern may expand to.")
+    number_bound: float = Field(1e15, gt=0, description="Largest magnitude of a numeric bound (minimum, maximum...).")
+    # Grammars, and the time their building may take.
+    grammar_bytes: int = Field(1 << 20, ge=1024, description="Bytes of a generated grammar.")
+    grammar_nesting: int = Field(128, ge=8, description="Nested groups in a generated grammar.")
+    grammar_first_step_ms: float = Field(
+        100, gt=0, description="Time the grammar may take to mask the vocabulary in its first step (ms)."
+    )
+    grammar_step_ms: float = Field(
+        250, gt=0, description="Time a running grammar may take for one token before its request is ended (ms)."
+    )
+    schema_timeout_s: float = Field(5, gt=0, description="Time to turn a schema into a grammar (s).")
+    grammar_timeout_s: float = Field(10, gt=0, description="Time to compile a grammar (s).")
+    # Connections.
+    header_timeout_s: float = Field(10, gt=0, description="Time a client may take to send its request headers (s).")
+    body_timeout_s: float = Field(60, gt=0, description="Time a client may take to send its request body (s).")
+
+
+class LimitExceeded(ValueError):
+    """A request breaks one of the limits; the message names it."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        flag = "--limit-" + name.replace("_", "-")
+        super().__init__(f"{detail} (limit {flag})")
+        self.name = name
