@@ -92,6 +92,7 @@ def serve(overrides: dict[str, Any]) -> int:
     import uvicorn
 
     from fastrun_cpp.entrypoints.auth import is_loopback
+    from fastrun_cpp.entrypoints.http_protocol import with_header_timeout
     from fastrun_cpp.entrypoints.openai.api_server import authenticator_for, build_app
     from fastrun_cpp.logging_config import configure_logging
 
@@ -120,6 +121,7 @@ def serve(overrides: dict[str, Any]) -> int:
         build_app(settings, authenticator),
         host=settings.host,
         port=settings.port,
+        http=with_header_timeout(settings.limits.header_timeout_s),
         log_config=None,  # keep the logging configured above
         access_log=False,  # fastrun_cpp.access writes one JSON line per request instead
         timeout_graceful_shutdown=settings.shutdown_grace_s,

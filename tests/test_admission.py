@@ -163,7 +163,7 @@ def test_declared_oversized_body_is_refused_before_it_is_sent(server):
     host, port = server.root_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as connection:
         connection.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {64 * 2**20 + 1}\r\n\r\n".encode()
         )
         reply = ""

@@ -96,8 +96,9 @@ def test_two_servers_share_one_directory(tmp_path):
     cache_dir = tmp_path / "cache"
     env = {"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}
     topics = [f"shared {word}" for word in ("anchors", "buoys", "cranes", "docks", "eddies", "flares")]
-    with run_server("--slots", "1", log_dir=tmp_path, env=env) as one, \
-            run_server("--slots", "1", log_dir=tmp_path, env=env) as two:
+    # One thread each: two servers spinning two threads apiece on two cores thrash.
+    with run_server("--slots", "1", "--threads", "1", log_dir=tmp_path, env=env) as one, \
+            run_server("--slots", "1", "--threads", "1", log_dir=tmp_path, env=env) as two:
         clients = [Client(one.base_url), Client(two.base_url)]
 
         def work(index: int) -> list[dict]:

@@ -13,6 +13,8 @@ from fastrun_cpp.auth import KEY_PATTERN, ActiveKey, KeySnapshot, KeyStore, KeyS
 logger = logging.getLogger(__name__)
 
 INVALID_KEY = "invalid or missing API key"
+FOREIGN_HOST = ("this server has no API keys, so it serves loopback clients only, and this request names the "
+                "host {host!r}; create a key (`fastrun-cpp keys create`) to serve other hosts")
 NOT_APPROVED = "the account of this API key has not been approved yet"
 STORE_UNAVAILABLE = "API keys cannot be checked right now"
 
@@ -25,12 +27,20 @@ class AuthError(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
+    if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header: without port, without IPv6 brackets, lower case."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
 class Authenticator:
@@ -87,13 +97,19 @@ class Authenticator:
             await asyncio.sleep(self.refresh_s)
             await self._load_off_loop()
 
-    def authenticate(self, authorization: str | None) -> ActiveKey | None:
-        """The key's record, None when no key is needed; raises AuthError otherwise."""
+    def authenticate(self, authorization: str | None, host: str | None = None) -> ActiveKey | None:
+        """The key's record, None when no key is needed; raises AuthError otherwise.
+
+        Open (no keys, on loopback), the server answers only requests addressed to a loopback
+        name or address: a web page that rebinds its own name to 127.0.0.1 (DNS rebinding)
+        sends its own name as Host, and is refused."""
         if self.disabled:
             return None
         if self._error is not None or self._snapshot is None:
             raise AuthError(503, STORE_UNAVAILABLE)
         if self.is_open:
+            if host is not None and not is_loopback(host_name(host)):
+                raise AuthError(401, FOREIGN_HOST.format(host=host_name(host)[:100]))
             return None
         scheme, _, key = (authorization or "").partition(" ")
         key = key.strip()

@@ -165,7 +165,7 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            key = self.authenticator.authenticate(_header(scope, b"authorization"))
+            key = self.authenticator.authenticate(_header(scope, b"authorization"), host=_header(scope, b"host"))
         except AuthError as exc:
             api_error = APIError(exc.status_code, exc.message, error_type_for(exc.status_code),
                                  retry_after=5 if exc.status_code == 503 else None)
