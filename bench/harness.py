@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +38,12 @@ class ServerSpec:
     ctx_size: int  # per slot
     threads: int
     batch_size: int = 512
+    extra_args: tuple[str, ...] = ()  # more command-line flags
+    label: str = ""  # how tables name it (default: name)
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
 
     @property
     def ready_path(self) -> str:
@@ -52,12 +60,12 @@ class ServerSpec:
             return [sys.executable, "-m", "fastrun_cpp", "serve", "--port", str(port),
                     "--slots", str(self.slots), "--ctx-size", str(self.ctx_size),
                     "--threads", str(self.threads), "--batch-size", str(self.batch_size),
-                    "--log-level", "warning"]
+                    "--log-level", "warning", *self.extra_args]
         if self.name == "llama-server":
             return [str(LLAMA_SERVER), "--port", str(port), "-m", str(model_path),
                     "-np", str(self.slots), "-c", str(self.slots * self.ctx_size),
                     "-t", str(self.threads), "-tb", str(self.threads), "-b", str(self.batch_size),
-                    "--alias", MODEL_ID, "--no-webui", "--log-disable"]
+                    "--alias", MODEL_ID, "--no-webui", "--log-disable", *self.extra_args]
         if self.name.startswith("llama-cpp-python"):
             # llama-cpp-python's bundled server: one sequence at a time, whatever the load.
             command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--port", str(port),
@@ -81,11 +89,16 @@ class Server:
 
 
 @contextmanager
-def running(spec: ServerSpec, model_path: Path) -> Iterator[Server]:
+def running(spec: ServerSpec, model_path: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A server; fastrun-cpp's disk prompt cache in a fresh directory unless `env` names one
+    (so that no run starts warm from an earlier one)."""
     port = free_port()
-    log = open(ROOT / ".bench" / f"{spec.name}.log", "wb")
+    (ROOT / ".bench").mkdir(exist_ok=True)
+    log = open(ROOT / ".bench" / f"{spec.title}.log", "wb")
+    scratch = tempfile.mkdtemp(prefix="fastrun-bench-cache-")
     process = subprocess.Popen(spec.command(port, model_path), stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "FASTRUN_PROMPT_CACHE_DIR": scratch,
+                                    **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -108,6 +121,7 @@ def running(spec: ServerSpec, model_path: Path) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @dataclass

@@ -117,6 +117,21 @@ class ModelConfig(StrictModel):
         return embedded_model_path()
 
 
+    def resolve_draft_path(self) -> Path:
+        """The draft model's GGUF (a path, or a Hub file pulled first; blocking)."""
+        if self.draft_model is None:
+            raise ModelNotFoundError(f"model {self.id!r}: --spec-type draft needs --draft-model")
+        path = Path(self.draft_model).expanduser()
+        if path.is_file():
+            return path.resolve()
+        if _looks_like_a_path(self.draft_model):
+            raise ModelNotFoundError(f"draft model {self.draft_model!r} is not a GGUF file or a Hub repository")
+        from fastrun_cpp.hub import pull
+
+        repo, _, filename = self.draft_model.partition(":")
+        return pull(repo, filename or None)
+
+
 class Registry(StrictModel):
     models: list[ModelConfig] = Field(min_length=1)
 

@@ -129,11 +129,12 @@ class AsyncEngine:
         grammars: GrammarCompiler,
         faults: Faults | None = None,
         disk_cache: DiskPromptCache | None = None,
+        draft_model: LlamaModel | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._collectors: dict[str, _OutputCollector] = {}
         self.model = model
-        self.engine = Engine(model, config, self._on_outputs, faults, disk_cache)
+        self.engine = Engine(model, config, self._on_outputs, faults, disk_cache, draft_model)
         self.engine.start()
         self._grammars = grammars
         self._disk = disk_cache if disk_cache is not None and disk_cache.enabled else None

@@ -22,6 +22,7 @@ import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
+from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
@@ -151,6 +152,7 @@ class Engine:
         output_handler: OutputHandler,
         faults: Faults | None = None,
         disk_cache: DiskPromptCache | None = None,
+        draft_model: LlamaModel | None = None,
     ) -> None:
         if config.batch_size < config.slots:
             raise ValueError("batch_size must be at least the number of slots")
@@ -178,6 +180,14 @@ class Engine:
             raise EngineError("llama.cpp could not create a context (out of memory?)")
         self._memory = llama.llama_get_memory(self._ctx)
         self._batch = TokenBatch(config.batch_size)
+        self._draft_runner: DraftModelRunner | None = None
+        if config.speculation.kind == "draft":
+            if draft_model is None:
+                raise ValueError("speculation with a draft model needs the draft model")
+            check_vocabularies(model, draft_model)
+            self._draft_runner = DraftModelRunner(
+                draft_model, slots=config.slots, ctx_size=config.ctx_size, threads=config.threads,
+                batch_size=config.batch_size, config=config.speculation)
         self._candidates = Candidates(model.n_vocab)
         self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
         self._waiting: deque[tuple[GenerationRequest, CompiledGrammar | None]] = deque()
@@ -266,6 +276,8 @@ class Engine:
                 state = self._sequence_state(slot)
                 if state is not None:
                     self.disk_cache.store(list(slot.cache_tokens), state)
+        if self._draft_runner is not None:
+            self._draft_runner.close()
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
@@ -409,7 +421,10 @@ class Engine:
                 token_bytes=self.model.token_bytes_special if request.render_special_tokens else self.model.token_bytes,
                 admitted_at=self._clock,
                 drafter=self._drafter(request),
+                speculative=self.config.speculation.enabled and request.speculative,
             )
+            if self._draft_runner is not None:
+                self._draft_runner.reset(slot.seq_id)
         leader.followers = followers
 
     def _sampler(self, request: GenerationRequest, grammar: CompiledGrammar | None, index: int) -> SamplerChain:
@@ -428,7 +443,8 @@ class Engine:
         return sampler
 
     def _drafter(self, request: GenerationRequest) -> NgramDrafter | None:
-        if not (self.config.speculation.enabled and request.speculative):
+        """The slot's n-gram drafter (a draft model drafts for all slots at once instead)."""
+        if self.config.speculation.kind != "ngram" or not request.speculative:
             return None
         return NgramDrafter(self.config.speculation, request.prompt_tokens)
 
@@ -588,20 +604,27 @@ class Engine:
         """Draft tokens per slot for this step, within the rows the batch spares for them."""
         spec = self.config.speculation
         budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding))
-        drafts: dict[int, list[int]] = {}
-        if budget < spec.draft_min:
-            return drafts
+        if budget < spec.draft_min or not spec.enabled:
+            return {}
+        limits: dict[int, int] = {}
         for slot in sorted(decoding, key=lambda s: s.drafted_at):  # fair turns under a tight budget
-            if slot.drafter is None or budget < spec.draft_min:
+            if not slot.speculative or budget < spec.draft_min:
                 continue
             # Room for the pending token, the drafts and the bonus token: in the answer's length
             # and in the context.
             room = min(slot.max_tokens - slot.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
-            draft = slot.drafter.propose(min(budget, room))
-            if draft:
-                drafts[slot.seq_id] = draft
-                budget -= len(draft)
-                slot.drafted_at = self._clock_steps
+            limit = min(budget, room, spec.draft_max)
+            if limit >= spec.draft_min:
+                limits[slot.seq_id] = limit
+                budget -= limit
+        slots = {slot.seq_id: slot for slot in decoding}
+        if self._draft_runner is not None:
+            drafts = self._draft_runner.propose({
+                seq: ([*slots[seq].cache_tokens, slots[seq].pending_token], limit) for seq, limit in limits.items()})
+        else:
+            drafts = {seq: draft for seq, limit in limits.items() if (draft := slots[seq].drafter.propose(limit))}
+        for seq in drafts:
+            slots[seq].drafted_at = self._clock_steps
         self._clock_steps += 1
         return drafts
 
@@ -637,7 +660,10 @@ class Engine:
             self.stats.accepted_tokens += accepted
             slot.drafted_total += drafted
             slot.accepted_total += accepted
-            slot.drafter.verified(drafted, accepted)
+            if slot.drafter is not None:
+                slot.drafter.verified(drafted, accepted)
+            else:
+                self._draft_runner.verified(slot.seq_id, drafted, accepted)
             # Only the pending token and the accepted drafts are this sequence's now.
             keep = len(slot.cache_tokens) - drafted + accepted
             llama.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)

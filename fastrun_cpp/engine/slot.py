@@ -33,6 +33,7 @@ class Slot:
         self.followers: list[Slot] = []  # the request's other choices, waiting for the prompt's KV
         self.sampler: SamplerChain | None = None
         self.drafter: NgramDrafter | None = None
+        self.speculative = False  # may drafts be proposed for it
         self.drafted_at = 0  # step of its last draft: slots take turns when drafts are scarce
         self.drafted_total = 0
         self.accepted_total = 0
@@ -65,6 +66,7 @@ class Slot:
         token_bytes: list[bytes],
         admitted_at: int,
         drafter: NgramDrafter | None,
+        speculative: bool = False,
     ) -> None:
         """Take a request's choice `index`; the first `reused` prompt tokens are in the KV
         already (a follower, which waits for the leader's prompt, counts all of them)."""
@@ -84,6 +86,7 @@ class Slot:
         self.followers = []
         self.sampler = sampler
         self.drafter = drafter
+        self.speculative = speculative
         self.drafted_total = self.accepted_total = 0
         self.detokenizer = IncrementalDetokenizer(token_bytes)
         self.stop_matcher = StopMatcher(request.stop)

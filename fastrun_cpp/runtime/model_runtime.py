@@ -189,9 +189,15 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     chat_template, tool_parser, reasoning_parser = chat_setup(config, model)
     grammars = GrammarCompiler(model, limits)
     disk = await asyncio.to_thread(disk_cache_for, config, settings, model, path, prompt_cache_dir)
+    draft = None
+    if settings.speculation.kind == "draft":
+        draft_path = await asyncio.to_thread(config.resolve_draft_path)
+        draft = await asyncio.to_thread(LlamaModel, draft_path, n_gpu_layers=config.gpu.n_gpu_layers,
+                                        repack=not is_deterministic(config))
+        weights.append(draft)  # freed with the rest
     pool = EnginePool([
-        AsyncEngine(weights[i], settings, grammars, Faults.parse(faults_spec, replica=i), disk)
-        for i in range(len(weights))
+        AsyncEngine(weights[i], settings, grammars, Faults.parse(faults_spec, replica=i), disk, draft)
+        for i in range(config.replica_count if not config.gpus else len(config.gpus))
     ], disk)
     deterministic = is_deterministic(config)
     info = ModelInfo(

@@ -1,0 +1,175 @@
+"""Speculative decoding, side by side: fastrun-cpp with n-gram speculation and without, and
+llama.cpp's llama-server plain and with `--spec-type ngram-mod`.
+
+    python bench/speculative.py [--rounds 2] [--out bench/results]
+
+Workloads (temperature 0, streamed): `copy` (the answer repeats a ~1k-token passage of the
+prompt, 256 tokens), `code-edit` (a ~900-token file returned with one name changed), `chat`
+(ordinary short questions, 128 tokens). Each at concurrency 1 and 8; servers alternate order
+every round. Reports aggregate tok/s, TTFT p50 and the draft acceptance rate, and each
+server's ratio to llama-server with ngram-mod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import LLAMA_SERVER, MODEL_ID, ROOT, ServerSpec, percentile, running  # noqa: E402
+from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
+from fastrun_cpp.settings import physical_cores  # noqa: E402
+
+
+def passage(seed: int) -> str:
+    return " ".join(f"The keeper of lighthouse {seed}-{i} writes the weather at {i % 12 + 1} o'clock, "
+                    f"trims wick number {i * 7 % 19} and logs ship {i * 13 % 97}." for i in range(45))
+
+
+def code_file(seed: int) -> str:
+    functions = "\n\n".join(
+        f"def handler_{seed}_{i}(request, limit={i + 1}):\n    items = request.items[:limit]\n"
+        f"    total = sum(item.price for item in items)\n    return {{'count': len(items), 'total': total}}"
+        for i in range(25))
+    return f"import math\n\n{functions}\n"
+
+
+def copy_body(index: int) -> dict:
+    text = passage(index)
+    return {"messages": [{"role": "user", "content": f"Here is a passage:\n\n{text}\n\nCopy the passage exactly, "
+                                                        "word for word."}], "max_tokens": 256}
+
+
+def code_edit_body(index: int) -> dict:
+    text = code_file(index)
+    return {"messages": [{"role": "user", "content": f"{text}\nRewrite this file with the parameter `limit` renamed "
+                                                        "to `cap`. Output the whole file."}], "max_tokens": 256}
+
+
+CHAT_TOPICS = ["a lighthouse keeper", "a lost robot", "a mountain village", "a pirate ship", "an old library",
+               "a desert caravan", "a space station", "a secret garden"]
+
+
+def chat_body(index: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Tell me a short story about {CHAT_TOPICS[index % 8]}."}],
+            "max_tokens": 128}
+
+
+WORKLOADS = {"copy": copy_body, "code-edit": code_edit_body, "chat": chat_body}
+
+
+async def one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
+    started = time.perf_counter()
+    first = None
+    tokens = 0
+    timings = {}
+    async with client.stream("POST", f"{base_url}/chat/completions", json={
+            "model": MODEL_ID, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **body}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            timings = chunk.get("timings") or timings  # llama-server's own counters
+            if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                first = time.perf_counter() - started
+    return {"ttft": first or 0.0, "tokens": tokens, "timings": timings}
+
+
+async def level(base_url: str, make, concurrency: int, requests: int) -> tuple[float, list[dict]]:
+    async with httpx.AsyncClient(timeout=900) as client:
+        started = time.perf_counter()
+        results: list[dict] = []
+        for start in range(0, requests, concurrency):
+            batch = [make(i) for i in range(start, min(requests, start + concurrency))]
+            results += await asyncio.gather(*(one(client, base_url, body) for body in batch))
+        return time.perf_counter() - started, results
+
+
+def acceptance(server_name: str, base_url: str, before: dict, results: list[dict]) -> tuple[dict, float | None]:
+    if server_name == "fastrun-cpp":
+        health = httpx.get(base_url.removesuffix("/v1") + "/health").json()
+        stats = health["models"][MODEL_ID]["stats"]
+        drafted = stats["drafted_tokens"] - before.get("drafted_tokens", 0)
+        accepted = stats["accepted_tokens"] - before.get("accepted_tokens", 0)
+        return stats, (accepted / drafted if drafted else None)
+    drafted = sum(r["timings"].get("draft_n", 0) for r in results)
+    accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in results)
+    return before, (accepted / drafted if drafted else None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--levels", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    if not LLAMA_SERVER.exists():
+        import subprocess
+
+        subprocess.run(["bash", str(ROOT / "bench" / "build_llama_server.sh")], check=True)
+    threads = physical_cores()
+    slots = max(args.levels)
+    servers = [
+        ServerSpec("llama-server", slots, 4096, threads, label="llama-server plain"),
+        ServerSpec("llama-server", slots, 4096, threads, extra_args=("--spec-type", "ngram-mod"),
+                   label="llama-server ngram-mod"),
+        ServerSpec("fastrun-cpp", slots, 4096, threads, extra_args=("--spec-type", "none"), label="fastrun-cpp plain"),
+        ServerSpec("fastrun-cpp", slots, 4096, threads, label="fastrun-cpp ngram"),
+    ]
+    rows: dict[tuple[str, str, int], list[tuple[float, float, float | None]]] = {}
+    for round_index in range(args.rounds):
+        order = servers if round_index % 2 == 0 else list(reversed(servers))
+        for spec in order:
+            with running(spec, embedded_model_path()) as server:
+                asyncio.run(level(server.base_url, chat_body, 1, 1))  # warm-up
+                for workload in args.workloads:
+                    for concurrency in args.levels:
+                        stats, _ = acceptance(spec.name, server.base_url, {}, [])
+                        wall, results = asyncio.run(level(server.base_url, WORKLOADS[workload], concurrency,
+                                                          concurrency * 2))
+                        _, accepted = acceptance(spec.name, server.base_url, stats, results)
+                        rate = sum(r["tokens"] for r in results) / wall
+                        ttft = percentile([r["ttft"] for r in results], 50)
+                        rows.setdefault((spec.title, workload, concurrency), []).append((rate, ttft, accepted))
+                        print(f"round {round_index + 1} {spec.title:24s} {workload:9s} c={concurrency}: "
+                              f"{rate:6.1f} tok/s, TTFT p50 {ttft * 1000:6.0f} ms, accepted "
+                              f"{'-' if accepted is None else f'{accepted:.0%}'}", file=sys.stderr)
+    lines = ["| workload | c | server | tok/s | vs llama-server ngram-mod | TTFT p50 | drafts accepted |",
+             "|---|---|---|---|---|---|---|"]
+    summary = {}
+    for workload in args.workloads:
+        for concurrency in args.levels:
+            reference = statistics.median(r[0] for r in rows[("llama-server ngram-mod", workload, concurrency)])
+            for spec in servers:
+                values = rows[(spec.title, workload, concurrency)]
+                rate = statistics.median(v[0] for v in values)
+                ttft = statistics.median(v[1] for v in values)
+                accepted = [v[2] for v in values if v[2] is not None]
+                share = f"{statistics.median(accepted):.0%}" if accepted else "-"
+                lines.append(f"| {workload} | {concurrency} | {spec.title} | {rate:.1f} | {rate / reference:.2f}x | "
+                             f"{ttft * 1000:.0f} ms | {share} |")
+                summary[f"{workload}/c{concurrency}/{spec.title}"] = {"tok_per_s": rate, "ttft_p50_s": ttft,
+                                                                      "accepted": share}
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speculative.md").write_text(table + "\n")
+    (args.out / "speculative.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
