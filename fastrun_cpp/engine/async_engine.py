@@ -63,6 +63,7 @@ class RequestStream:
         self.request_id = request_id
         self._collector = collector
         self._unfinished = choices
+        self.replica = engine.name  # which engine serves it
         self._timer: asyncio.TimerHandle | None = None
         self._timed_out = False
         self.finished = False
@@ -130,8 +131,10 @@ class AsyncEngine:
         faults: Faults | None = None,
         disk_cache: DiskPromptCache | None = None,
         draft_model: LlamaModel | None = None,
+        name: str = "local-0",
     ) -> None:
         self._loop = asyncio.get_running_loop()
+        self.name = name
         self._collectors: dict[str, _OutputCollector] = {}
         self.model = model
         self.engine = Engine(model, config, self._on_outputs, faults, disk_cache, draft_model)

@@ -238,12 +238,12 @@ class Engine:
                 raise EngineError("the engine is shutting down")
             # Counted in slots: each choice of a request takes one.
             if self._outstanding + request.n > self.config.slots + self.config.max_queue:
-                raise CapacityError(self._retry_after_s())
+                raise CapacityError(self.retry_after_s())
             self._outstanding += request.n
             self._inbox.append((request, grammar))
             self._lock.notify()
 
-    def _retry_after_s(self) -> int:
+    def retry_after_s(self) -> int:
         """When a slot is likely to be free for one more request, from the current decode rate."""
         rate = self._throughput.tokens_per_s
         busy = [slot for slot in self._slots if not slot.is_free]
@@ -306,6 +306,20 @@ class Engine:
         in_slots = max((common_prefix_length(list(slot.cache_tokens), tokens) for slot in self._slots), default=0)
         _, in_host = self._prompt_cache.longest_prefix(tokens)
         return max(in_slots, in_host)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def held_sequences(self) -> list[list[int]]:
+        """Token sequences whose KV this engine holds: in its slots and its host cache (for
+        routing; approximate)."""
+        return [list(slot.cache_tokens) for slot in self._slots] + self._prompt_cache.sequences()
+
+    def kv_usage(self) -> float:
+        """Share of the KV cache the running requests hold (0..1), approximately."""
+        held = sum(len(slot.cache_tokens) for slot in self._slots if not slot.is_free)
+        return held / (self.config.slots * self.config.ctx_size)
 
     def load(self) -> tuple[int, int]:
         """(busy slots, waiting requests), approximately."""

@@ -3,7 +3,8 @@
 `--debug-faults "load-delay=3,decode-fail=2,decode-fail=7"`: delay model loading by 3 s, and
 make the 2nd and 7th `llama_decode` calls fail as a broken backend would. `decode-fail=1@0`
 targets replica 0 of a pool only. `schema-hang` makes the conversion of any schema titled
-"fastrun-debug-hang" hang (to test its time limit).
+"fastrun-debug-hang" hang (to test its time limit). `replica-exit=SEED`: with --backend ray,
+the replica that gets a request with that sampling seed dies before answering (once).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class Faults:
                 failures.add(int(value))
             elif name == "schema-hang":
                 faults.schema_hang = True
+            elif name == "replica-exit":
+                pass  # Ray replicas read it themselves (runtime.ray_backend)
             else:
-                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang)")
+                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang, replica-exit)")
         faults.decode_failures = frozenset(failures)
         return faults
 

@@ -14,6 +14,7 @@ from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream, RequestT
 from fastrun_cpp.engine.disk_cache import DiskPromptCache, DiskStats
 from fastrun_cpp.engine.engine import CapacityError, EngineStats
 from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.routing import ReplicaLoad, rank_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,13 @@ class PoolStream:
     @property
     def request_id(self) -> str:
         return self._request.request_id
+
+    @property
+    def replica(self) -> str:
+        return self._inner.replica
+
+    def stop_choice(self, index: int) -> None:
+        self._inner.stop_choice(index)
 
     @property
     def finished(self) -> bool:
@@ -132,7 +140,8 @@ class EnginePool:
         status = []
         for replica in self._replicas:
             busy, waiting = replica.engine.load()
-            status.append({"busy_slots": busy, "waiting": waiting, "healthy": replica.healthy})
+            status.append({"replica": replica.engine.name, "busy_slots": busy, "waiting": waiting,
+                           "kv_usage": round(replica.engine.engine.kv_usage(), 4), "healthy": replica.healthy})
         return status
 
     async def submit(self, request: GenerationRequest) -> PoolStream | RequestStream:
@@ -146,6 +155,25 @@ class EnginePool:
             return await self._submit(request, exclude=exclude)
         except EngineError:
             return None
+
+    # What a Ray replica reports of the pool it runs (one engine there).
+
+    def held_sequences(self) -> list[list[int]]:
+        return [tokens for replica in self._replicas for tokens in replica.engine.engine.held_sequences()]
+
+    def retry_after_s(self) -> int:
+        return min(replica.engine.engine.retry_after_s() for replica in self._replicas)
+
+    def kv_usage(self) -> float:
+        return round(sum(r.engine.engine.kv_usage() for r in self._replicas) / len(self._replicas), 4)
+
+    @property
+    def alive(self) -> bool:
+        return any(replica.engine.engine.alive for replica in self._replicas)
+
+    def shutdown_now(self) -> None:
+        for replica in self._replicas:
+            replica.engine.shutdown()
 
     async def shutdown(self) -> None:
         """Stop every replica (each keeps its slots' prefixes in the disk tier), then wait for
@@ -164,15 +192,14 @@ class EnginePool:
         if not candidates:
             raise EngineError("no replica left to serve the request")
         prompt = request.prompt_tokens
-
-        def rank(replica: _Replica) -> tuple:
+        loads = []
+        for replica in candidates:
             engine = replica.engine.engine
-            # A replica that can start the request now beats one where it would wait; among
-            # those, the longest cached prefix wins, then the lightest load.
-            waits = engine.outstanding >= engine.config.slots
-            return (waits, -engine.cached_prefix(prompt), engine.outstanding, replica.index)
-
-        ranked = sorted(candidates, key=rank)
+            running, waiting = engine.load()
+            loads.append(ReplicaLoad(replica.index, engine.cached_prefix(prompt), running, waiting,
+                                     engine.config.slots))
+        by_index = {replica.index: replica for replica in candidates}
+        ranked = [by_index[index] for index in rank_replicas(loads)]
         retry_after = None
         for replica in ranked:
             try:

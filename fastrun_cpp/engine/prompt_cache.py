@@ -52,6 +52,10 @@ class PromptCache:
                 best, best_length = entry, length
         return best, best_length
 
+    def sequences(self) -> list[list[int]]:
+        with self._lock:
+            return [entry.tokens for entry in self._entries.values()]
+
     def covers(self, tokens: list[int]) -> bool:
         """Whether some entry already holds all of `tokens` (as its own prefix)."""
         with self._lock:

@@ -60,7 +60,21 @@ class _EngineCollector(Collector):
             "fastrun_prompt_cache_disk", "Disk prompt-cache events (hit, miss, write, eviction, skipped file).",
             labels=["model", "event"],
         )
+        # Per replica, what Kubernetes inference gateways score on (vLLM's vllm:num_requests_running,
+        # vllm:num_requests_waiting and vllm:kv_cache_usage_perc).
+        running = GaugeMetricFamily("fastrun_num_requests_running", "Requests decoding on a replica.",
+                                    labels=["model", "replica"])
+        waiting_gauge = GaugeMetricFamily("fastrun_num_requests_waiting", "Requests waiting for a slot on a replica.",
+                                          labels=["model", "replica"])
+        kv = GaugeMetricFamily("fastrun_kv_cache_usage_ratio", "Share of a replica's KV cache its requests hold (0-1).",
+                               labels=["model", "replica"])
+        drafted = CounterMetricFamily("fastrun_spec_draft_tokens", "Speculative draft tokens verified, and accepted.",
+                                      labels=["model", "outcome"])
         for model_id, engine in self._engines():
+            for replica in engine.replica_status():
+                running.add_metric([model_id, replica["replica"]], replica["busy_slots"])
+                waiting_gauge.add_metric([model_id, replica["replica"]], replica["waiting"])
+                kv.add_metric([model_id, replica["replica"]], replica["kv_usage"])
             busy_slots, waiting = engine.load()
             slots.add_metric([model_id], engine.slots)
             busy.add_metric([model_id], busy_slots)
@@ -70,10 +84,12 @@ class _EngineCollector(Collector):
             hits.add_metric([model_id, "host"], stats.host_hits)
             hits.add_metric([model_id, "disk"], stats.disk_hits)
             hits.add_metric([model_id, "miss"], stats.misses)
+            drafted.add_metric([model_id, "drafted"], stats.drafted_tokens)
+            drafted.add_metric([model_id, "accepted"], stats.accepted_tokens)
             disk = engine.disk_stats
             if disk is not None:
                 disk_bytes.add_metric([model_id], disk.bytes)
                 for event, value in (("hit", disk.hits), ("miss", disk.misses), ("write", disk.writes),
                                      ("eviction", disk.evictions), ("skipped", disk.skipped)):
                     disk_events.add_metric([model_id, event], value)
-        yield from (slots, busy, queue, hits, disk_bytes, disk_events)
+        yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, drafted)

@@ -50,8 +50,10 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", record.request_id.encode())]}
+                headers = [*message.get("headers", []), (b"x-request-id", record.request_id.encode())]
+                if record.replica is not None:
+                    headers.append((b"x-fastrun-replica", record.replica.encode()))
+                message = {**message, "headers": headers}
             await send(message)
 
         try:
@@ -90,6 +92,8 @@ class RequestContextMiddleware:
             line["spec_accepted"] = round(record.accepted_tokens / record.drafted_tokens, 3)
         if record.account is not None:
             line["account"] = record.account
+        if record.replica is not None:
+            line["replica"] = record.replica
         if error_type is not None:
             line["error_type"] = error_type
         access_log.info("%s", json.dumps(line))

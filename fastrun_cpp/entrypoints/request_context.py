@@ -23,10 +23,12 @@ class RequestRecord:
     accepted_tokens: int = 0  # and accepted
     ttft_s: float | None = None
     error_type: str | None = None  # also set for errors sent inside a started stream
+    replica: str | None = None  # the engine replica that served it
     streams: list[EngineStream] = field(default_factory=list)
 
     def track(self, stream: EngineStream) -> None:
         self.streams.append(stream)
+        self.replica = stream.replica
 
     def close_streams(self) -> None:
         """Abort whatever generation this request left running (a client gone, a crash)."""

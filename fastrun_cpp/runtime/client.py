@@ -17,6 +17,7 @@ class EngineStream(Protocol):
 
     request_id: str
     time_limit_s: float | None
+    replica: str  # the replica serving it (X-Fastrun-Replica)
 
     @property
     def finished(self) -> bool: ...
@@ -28,6 +29,9 @@ class EngineStream(Protocol):
     async def __anext__(self) -> GenerationOutput: ...
 
     def close(self) -> None: ...
+
+    def stop_choice(self, index: int) -> None:
+        """End one choice (of n) now; the others go on."""
 
 
 @runtime_checkable

@@ -196,7 +196,8 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
                                         repack=not is_deterministic(config))
         weights.append(draft)  # freed with the rest
     pool = EnginePool([
-        AsyncEngine(weights[i], settings, grammars, Faults.parse(faults_spec, replica=i), disk, draft)
+        AsyncEngine(weights[i], settings, grammars, Faults.parse(faults_spec, replica=i), disk, draft,
+                    name=f"local-{i}")
         for i in range(config.replica_count if not config.gpus else len(config.gpus))
     ], disk)
     deterministic = is_deterministic(config)

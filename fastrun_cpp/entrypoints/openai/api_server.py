@@ -136,8 +136,16 @@ async def load_model(settings: Settings, served: ServedModel) -> None:
     """Pull (if from the Hub) and load the model and start its engines; marks the model ready,
     or failed with the reason."""
     try:
-        runtime = await load_local_runtime(served.config, threads=settings.threads, faults_spec=settings.debug_faults,
-                                           prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits)
+        if settings.backend == "ray":
+            from fastrun_cpp.runtime.ray_backend import load_ray_runtime  # the local backend never imports Ray
+
+            runtime = await load_ray_runtime(served.config, threads=settings.threads, faults_spec=settings.debug_faults,
+                                             prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits,
+                                             address=settings.ray_address)
+        else:
+            runtime = await load_local_runtime(served.config, threads=settings.threads,
+                                               faults_spec=settings.debug_faults,
+                                               prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits)
         served.ready(runtime)
     except Exception as exc:  # a model that cannot load makes the server say 503, not crash
         logger.exception("could not load %s", served.id)
@@ -190,6 +198,10 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
             for served in models:
                 if served.runtime is not None:
                     await served.runtime.close()
+            if settings.backend == "ray":
+                from fastrun_cpp.runtime.ray_backend import shutdown
+
+                await asyncio.to_thread(shutdown)
 
     app = FastAPI(title="fastrun-cpp", version=__version__, lifespan=lifespan)
     app.state.settings = settings
@@ -210,6 +222,6 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.add_middleware(APIKeyMiddleware, authenticator=authenticator)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"])
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "X-Fastrun-Replica", "Retry-After"])
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app

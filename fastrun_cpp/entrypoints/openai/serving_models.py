@@ -87,8 +87,7 @@ class OpenAIServingModels:
                 disk = model.engine.disk_stats
                 if disk is not None:
                     entry["disk_cache"] = vars(disk).copy()
-                if model.engine.replicas > 1:
-                    entry["replicas"] = model.engine.replica_status()
+                entry["replicas"] = model.engine.replica_status()
             status[model.id] = entry
         return status
 

@@ -1,0 +1,121 @@
+"""`fastrun-cpp serve --backend ray`: the same API, its engines as a Ray Serve deployment of
+two replicas of the default model (one thread each) on a local Ray instance, one for the whole
+module. Prefix affinity, 429s under overload, retries when a replica dies, streaming,
+disconnects and a clean shutdown."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server import DEFAULT_MODEL, run_server
+from tests.test_prefix_cache import document
+
+pytest.importorskip("ray.serve", reason="the Ray backend needs `pip install 'fastrun-cpp[ray]'`")
+
+CRASH_SEED = 424242  # --debug-faults replica-exit: the replica given this seed dies first
+
+
+@pytest.fixture(scope="module")
+def ray_server(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ray")
+    with run_server("--backend", "ray", "--replicas", "2", "--threads", "2", "--slots", "2", "--max-queue", "1",
+                    "--ctx-size", "2048", "--debug-faults", f"replica-exit={CRASH_SEED}", log_dir=directory,
+                    env={"FASTRUN_FAULTS_DIR": str(directory)}, startup_timeout=300) as server:
+        yield server
+        server.process.terminate()
+        assert server.process.wait(timeout=90) == 0, "no clean exit after SIGTERM"
+        assert "shut down after SIGTERM" in server.log()
+
+
+def chat(server, system: str, question: str, **extra) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/chat/completions", json={
+        "model": DEFAULT_MODEL, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], **extra},
+        timeout=180)
+
+
+def test_each_prefix_stays_on_one_replica_and_both_are_used(ray_server):
+    systems = {"A": document("ray alpha harbours", 40), "B": document("ray beta glaciers", 40)}
+    seen: dict[str, set[str]] = {"A": set(), "B": set()}
+    for question in range(3):
+        for name, system in systems.items():
+            response = chat(ray_server, system, f"Question {question}?")
+            assert response.status_code == 200, response.text
+            seen[name].add(response.headers["x-fastrun-replica"])
+            usage = response.json()["usage"]
+            if question:
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 20
+    assert len(seen["A"]) == 1 and len(seen["B"]) == 1, seen
+    assert seen["A"] != seen["B"], "one replica served both prefixes"
+    assert len(ray_server.health()["models"][DEFAULT_MODEL]["replicas"]) == 2
+
+
+def test_streams_through_ray_equal_the_whole_answer(ray_server):
+    client = openai.OpenAI(base_url=ray_server.base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=20, temperature=0)
+    with client.chat.completions.with_streaming_response.create(
+            model=DEFAULT_MODEL, messages=messages, max_tokens=20, temperature=0, stream=True) as response:
+        assert response.headers["x-fastrun-replica"]
+        pieces = [chunk.choices[0].delta.content or "" for chunk in response.parse() if chunk.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+
+
+def test_a_disconnect_frees_the_slot_on_its_replica(ray_server):
+    with httpx.stream("POST", f"{ray_server.base_url}/chat/completions", json={
+            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
+            "max_tokens": 1500, "stream": True, "speculative": False}, timeout=60) as response:
+        for index, _ in enumerate(response.iter_lines()):
+            if index > 5:
+                break
+    deadline = time.monotonic() + 20
+    while ray_server.busy_slots() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_server.busy_slots() == 0
+
+
+def test_overload_gives_429s_with_retry_after_and_no_5xx(ray_server):
+    def one(index: int) -> httpx.Response:
+        return httpx.post(f"{ray_server.base_url}/chat/completions", json={
+            "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": f"Story {index}, long please."}],
+            "max_tokens": 48, "speculative": False}, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        responses = list(pool.map(one, range(24)))
+    statuses = [r.status_code for r in responses]
+    assert all(status in (200, 429) for status in statuses), statuses
+    assert 429 in statuses and 200 in statuses, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_replica_that_dies_before_answering_is_replaced_by_another(ray_server):
+    response = chat(ray_server, "You are brief.", "Hello there.", seed=CRASH_SEED)
+    assert response.status_code == 200, response.text
+    assert "died before answering" in ray_server.log()
+    deadline = time.monotonic() + 120  # Serve starts a new replica in its place
+    while time.monotonic() < deadline:
+        replicas = ray_server.health()["models"][DEFAULT_MODEL]["replicas"]
+        if sum(1 for r in replicas if r["healthy"]) == 2:
+            break
+        time.sleep(1)
+    for question in range(4):
+        assert chat(ray_server, "You are brief.", f"Again {question}.").status_code == 200
+
+
+def test_the_local_backend_never_imports_ray(tmp_path):
+    import subprocess
+
+    probe = ("import sys; from fastrun_cpp.cli import _parser; from fastrun_cpp.entrypoints.openai.api_server "
+             "import build_app; from fastrun_cpp.settings import Settings; build_app(Settings()); "
+             "print('ray' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env={"FASTRUN_KEYS_DB": str(tmp_path / "k.db"), "PATH": "/usr/bin:/bin"})
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stderr
