@@ -101,7 +101,7 @@ def running(spec: ServerSpec, model_path: Path, env: dict[str, str] | None = Non
                                     **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a Ray backend takes a while
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"{spec.name} exited; see .bench/{spec.name}.log")

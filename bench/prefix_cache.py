@@ -1,5 +1,6 @@
-"""Prefix caching: time to first token of a ~1500-token prompt cold vs. warm, and a chat
-workload of 8 users x 5 turns over 4 slots (share of prompt tokens served from cache, per turn).
+"""Prefix caching: time to first token of a ~2k-token prompt before and after a restart (the
+disk tier), of a ~1500-token prompt cold vs. warm, and a chat workload of 8 users x 5 turns
+over 4 slots (share of prompt tokens served from cache, per turn).
 
     python bench/prefix_cache.py [--repeats 5]
 """
@@ -11,6 +12,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,6 +92,34 @@ async def chat_users(base_url: str, users: int, turns: int) -> None:
     print(f"| all | {total_prompt} | {total_cached} | {total_cached / total_prompt:.0%} |")
 
 
+def restart_warm(spec: ServerSpec, repeats: int) -> None:
+    """A ~2k-token prompt, then SIGTERM, a new server on the same disk cache, the prompt again."""
+    colds, warms, shares = [], [], []
+    for index in range(repeats):
+        prompt = long_document(f"restart{index}") + " " + long_document(f"annex{index}")[:1200]
+        with tempfile.TemporaryDirectory(prefix="fastrun-restart-") as cache_dir:
+            env = {"FASTRUN_PROMPT_CACHE_DIR": cache_dir}
+            with running(spec, embedded_model_path(), env=env) as server:
+                cold, tokens, _ = asyncio.run(_first_token(server.base_url, prompt))
+            with running(spec, embedded_model_path(), env=env) as server:
+                warm, _, cached = asyncio.run(_first_token(server.base_url, prompt))
+        colds.append(cold)
+        warms.append(warm)
+        shares.append(cached / tokens)
+        print(f"  {tokens} tokens: before the restart {cold * 1000:.0f} ms, after {warm * 1000:.0f} ms "
+              f"({cached} cached)", file=sys.stderr)
+    cold, warm = statistics.median(colds), statistics.median(warms)
+    print(f"\n| ~{tokens}-token prompt across a restart (median of {repeats}) | TTFT | cached |\n|---|---|---|")
+    print(f"| cold, first server | {cold * 1000:.0f} ms | 0 |")
+    print(f"| after SIGTERM and a new server (disk tier) | {warm * 1000:.0f} ms ({warm / cold:.3f}x) | "
+          f"{statistics.median(shares):.1%} |")
+
+
+async def _first_token(base_url: str, prompt: str) -> tuple[float, int, int]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        return await time_to_first_token(client, base_url, prompt)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -97,6 +127,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=5)
     args = parser.parse_args()
     spec = ServerSpec("fastrun-cpp", slots=4, ctx_size=4096, threads=physical_cores())
+    restart_warm(spec, max(1, args.repeats // 2))
     with running(spec, embedded_model_path()) as server:
         asyncio.run(cold_vs_warm(server.base_url, args.repeats))
         asyncio.run(chat_users(server.base_url, args.users, args.turns))

@@ -101,6 +101,10 @@ class Settings(BaseSettings):
         "local", description="Where the engines run: in this process, or as a Ray Serve deployment of "
         "--replicas replicas (pip install 'fastrun-cpp[ray]').",
     )
+    ray_router: Literal["affinity", "pow2"] = Field(
+        "affinity", description="Replica choice with --backend ray: prefix affinity, or Ray Serve's default "
+        "power-of-two-choices (for comparison).",
+    )
     ray_address: str | None = Field(
         None, description="Ray cluster to join with --backend ray ('auto': the one `ray start` made on this "
         "machine); unset: start a local one.",

@@ -430,7 +430,7 @@ def connect(address: str | None) -> None:
 
 
 async def load_ray_runtime(config: ModelConfig, *, threads: int, faults_spec: str, prompt_cache_dir: Path | None,
-                           limits: Limits, address: str | None) -> ModelRuntime:
+                           limits: Limits, address: str | None, router: str = "affinity") -> ModelRuntime:
     """Deploy the model's replicas on Ray Serve and return its runtime for the ingress: the
     vocabulary, chat template, parsers and grammar checks here, the engines there."""
     await asyncio.to_thread(connect, address)
@@ -450,8 +450,9 @@ async def load_ray_runtime(config: ModelConfig, *, threads: int, faults_spec: st
         # the handle answers BackPressureError (a 429), never an endless wait.
         max_ongoing_requests=config.slots + config.max_queue,
         max_queued_requests=max(config.slots, config.max_queue),
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                  request_routing_stats_period_s=STATS_PERIOD_S),
+        request_router_config=(
+            RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_routing_stats_period_s=STATS_PERIOD_S)
+            if router == "affinity" else RequestRouterConfig()),
         health_check_period_s=2,
         graceful_shutdown_timeout_s=20,
     )
