@@ -187,14 +187,17 @@ def test_parallel_tool_calls_false_means_one_call(client, model):
             assert len(calls) == 1 and response.choices[0].finish_reason == "tool_calls"
 
 
-def test_required_ends_when_the_model_repeats_its_call(client, model):
+def test_required_ends_when_the_model_ends_or_repeats_its_calls(client, model):
+    """At temperature 0 the default model makes its calls, then either ends (one CPU) or starts
+    over with an identical call (another): either way the answer ends there, long before
+    max_tokens, with its distinct calls."""
     response = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                              max_tokens=120, temperature=0)
+                                              max_tokens=300, temperature=0)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
     assert len(calls) == len({json.dumps(c, sort_keys=True) for c in calls}), "an identical call twice"
-    assert response.usage.completion_tokens < 120
+    assert response.usage.completion_tokens < 160
     for name, arguments in calls:
         jsonschema.validate(arguments, SCHEMAS[name])
 

@@ -12,6 +12,7 @@ accepting stops paying for drafts.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,8 +24,8 @@ class SpeculationConfig:
     kind: SpecType = "ngram"
     draft_max: int = 16  # longest draft for one slot in one step
     draft_min: int = 2  # shorter drafts are not worth a verification
-    ngram_min: int = 2  # shortest context suffix looked up
-    ngram_max: int = 4
+    ngram_min: int = 3  # shortest context suffix that may be looked up
+    match_max: int = 32  # how far back a match is compared (longer: more sure)
     # Drafts fill the batch up to this many rows after the decode tokens of every slot: under
     # load the batch is full of decode tokens and speculation yields to batching.
     batch_rows: int = 16
@@ -69,14 +70,16 @@ class DraftLength:
 
 
 class NgramDrafter:
-    """Prompt-lookup drafts: find the latest earlier occurrence of the context's last n tokens
-    (longest n first) and propose the tokens that followed it. The context is the request's
-    prompt and everything accepted since."""
+    """Prompt-lookup drafts: among the earlier places where the context's last `ngram_min`
+    tokens occur, take the one whose match extends furthest back (the latest on ties) and
+    propose what followed it. A draft is no longer than twice its match: a long match is a copy
+    in progress, a short one a guess. The context is the request's prompt and everything
+    accepted since."""
 
     def __init__(self, config: SpeculationConfig, prompt: list[int]) -> None:
         self._config = config
         self._tokens = list(prompt)
-        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest occurrence ends
+        self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> where its occurrences end
         self._indexed = 0  # n-grams ending at or before this position are indexed
         self.length = DraftLength(config)
 
@@ -86,22 +89,30 @@ class NgramDrafter:
 
     def propose(self, limit: int) -> list[int]:
         limit = min(limit, self.length.allowed())
-        if limit < self._config.draft_min:
+        config = self._config
+        if limit < config.draft_min:
             return []
         tokens = self._tokens
         end = len(tokens)
+        n = config.ngram_min
         # Index every n-gram that ends before the current end (the suffix itself must not
         # match its own occurrence).
-        for position in range(max(self._indexed, self._config.ngram_min), end):
-            for n in range(self._config.ngram_min, min(self._config.ngram_max, position) + 1):
-                self._index[tuple(tokens[position - n : position])] = position
+        for position in range(max(self._indexed, n), end):
+            self._index[tuple(tokens[position - n : position])].append(position)
         self._indexed = max(self._indexed, end)
-        for n in range(min(self._config.ngram_max, end), self._config.ngram_min - 1, -1):
-            found = self._index.get(tuple(tokens[end - n :]))
-            if found is not None:
-                draft = tokens[found : found + limit]
-                return draft if len(draft) >= self._config.draft_min else []
-        return []
+        if end < n:
+            return []
+        best_at, best_match = -1, 0
+        for at in reversed(self._index.get(tuple(tokens[end - n :]), ())[-64:]):  # the latest 64 places
+            match = n
+            while match < config.match_max and at - match > 0 and tokens[at - match - 1] == tokens[end - match - 1]:
+                match += 1
+            if match > best_match:
+                best_at, best_match = at, match
+        if best_at < 0:
+            return []
+        draft = tokens[best_at : best_at + min(limit, 2 * best_match)]
+        return draft if len(draft) >= config.draft_min else []
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.length.verified(drafted, accepted)

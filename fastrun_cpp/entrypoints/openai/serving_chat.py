@@ -320,6 +320,8 @@ class OpenAIServingChat(OpenAIServing):
             if not output.finished and parsers[index].stop_requested:  # a repeated call, or the last allowed
                 stopped.add(index)
                 stream.stop_choice(index)
+                logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
+                            generation.request_id, index)
         choices = []
         token_bytes = served.runtime.tokenizer.token_bytes
         results = collector.results()
@@ -399,6 +401,8 @@ class OpenAIServingChat(OpenAIServing):
                 if parsers[index].stop_requested and not output.finished:
                     stopped.add(index)
                     stream.stop_choice(index)
+                    logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
+                                generation.request_id, index)
                     for event in finish(index, output):
                         yield event
                 elif output.finished:

@@ -84,6 +84,12 @@ class OpenAIServingModels:
                 busy, waiting = model.engine.load()
                 entry.update(slots=model.engine.slots, busy_slots=busy, waiting=waiting,
                              stats=vars(model.engine.stats).copy())
+                stats = model.engine.stats
+                entry["speculation"] = {
+                    "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+                    "acceptance_rate": round(stats.accepted_tokens / stats.drafted_tokens, 4)
+                    if stats.drafted_tokens else None,
+                }
                 disk = model.engine.disk_stats
                 if disk is not None:
                     entry["disk_cache"] = vars(disk).copy()

@@ -1,0 +1,132 @@
+"""Speculative decoding is lossless: with drafts verified inside the batch, answers are token
+for token the answers without speculation - at temperature 0, and with a seed at any
+temperature - on both default models, with grammars, logprobs, stop strings, penalties and
+logit_bias; and drafts are really used where the answer copies from its context."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server import DEFAULT_MODEL, run_server
+
+PASSAGE = " ".join(f"The keeper of lighthouse {i} logs the weather at {i % 12 + 1} o'clock and trims wick {i * 7 % 19}."
+                   for i in range(25))
+COPY = [{"role": "user", "content": f"Here is a passage:\n\n{PASSAGE}\n\nCopy the passage exactly, word for word."}]
+CHAT = [{"role": "user", "content": "Tell me a short story about a fox and a crow."}]
+CODE = [{"role": "user", "content": "def area(width, height):\n    return width * height\n\n"
+                                    "def perimeter(width, height):\n    return 2 * (width + height)\n\n"
+                                    "Rewrite both functions with `height` renamed to `h`. Output the code."}]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def model_flags(request, gemma_path):
+    if request.param == "smollm2":
+        return DEFAULT_MODEL, []
+    return gemma_path.stem, ["--model", str(gemma_path)]
+
+
+@pytest.fixture(scope="module")
+def servers(model_flags, tmp_path_factory):
+    """The same model with n-gram speculation (the default) and without."""
+    model, flags = model_flags
+    directory = tmp_path_factory.mktemp("spec")
+    with run_server(*flags, "--slots", "2", "--ctx-size", "2048", log_dir=directory) as on, \
+            run_server(*flags, "--slots", "2", "--ctx-size", "2048", "--spec-type", "none", log_dir=directory) as off:
+        yield model, on, off
+
+
+def ask(server, model: str, **body) -> dict:
+    response = httpx.post(f"{server.base_url}/chat/completions", json={"model": model, **body}, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def spec_counts(server, model: str) -> tuple[int, int]:
+    stats = server.health()["models"][model]["stats"]
+    return stats["drafted_tokens"], stats["accepted_tokens"]
+
+
+@pytest.mark.parametrize("messages", [COPY, CODE, CHAT], ids=["copy", "code-edit", "chat"])
+def test_greedy_answers_are_the_same_with_and_without_drafts(servers, messages):
+    model, on, off = servers
+    body = dict(messages=messages, max_tokens=160, temperature=0, logprobs=True, top_logprobs=2)
+    with_drafts, without = ask(on, model, **body), ask(off, model, **body)
+    assert with_drafts["choices"][0]["message"] == without["choices"][0]["message"]
+    assert with_drafts["choices"][0]["finish_reason"] == without["choices"][0]["finish_reason"]
+    assert with_drafts["usage"]["completion_tokens"] == without["usage"]["completion_tokens"]
+    assert [t["token"] for t in with_drafts["choices"][0]["logprobs"]["content"]] == \
+           [t["token"] for t in without["choices"][0]["logprobs"]["content"]]
+
+
+def test_drafts_are_used_when_the_answer_copies(servers):
+    model, on, _ = servers
+    before = spec_counts(on, model)
+    ask(on, model, messages=COPY, max_tokens=160, temperature=0)
+    drafted, accepted = (a - b for a, b in zip(spec_counts(on, model), before))
+    assert drafted > 0 and accepted > 0
+    assert on.health()["models"][model]["speculation"]["acceptance_rate"] is not None
+    assert '"spec_accepted"' in on.log()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_seeded_sampling_is_the_same_with_and_without_drafts(servers, seed):
+    """Each drafted position is sampled by the request's own sampler, exactly as without
+    drafts: same seed, same tokens (so the distribution is the same too)."""
+    model, on, off = servers
+    body = dict(messages=COPY, max_tokens=80, temperature=0.8, top_p=0.95, seed=seed)
+    assert ask(on, model, **body)["choices"][0]["message"] == ask(off, model, **body)["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_object"}},
+    {"stop": ["lighthouse 7"]},
+    {"frequency_penalty": 0.8, "presence_penalty": 0.5, "repetition_penalty": 1.2},
+    {"logit_bias": {"11": -100, "28": 5}},
+], ids=["grammar", "stop", "penalties", "logit_bias"])
+def test_everything_else_still_applies(servers, extra):
+    model, on, off = servers
+    body = dict(messages=COPY, max_tokens=120, temperature=0, **extra)
+    with_drafts, without = ask(on, model, **body), ask(off, model, **body)
+    assert with_drafts["choices"][0]["message"]["content"] == without["choices"][0]["message"]["content"]
+    assert with_drafts["usage"]["completion_tokens"] == without["usage"]["completion_tokens"]
+
+
+def test_a_request_can_opt_out(servers):
+    model, on, _ = servers
+    before = spec_counts(on, model)
+    ask(on, model, messages=COPY, max_tokens=60, temperature=0, speculative=False)
+    assert spec_counts(on, model) == before
+
+
+def test_a_draft_model_is_lossless(tmp_path):
+    """The default model drafting for itself (every draft the target would pick) and the tiny
+    random model (few accepted): both answer exactly as without speculation."""
+    from fastrun_cpp.default_model import embedded_model_path
+    from fastrun_cpp.tiny_model import write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "tiny.gguf", embedded_model_path())
+    body = dict(messages=COPY, max_tokens=80, temperature=0)
+    with run_server("--slots", "2", "--spec-type", "none", log_dir=tmp_path) as off:
+        expected = ask(off, DEFAULT_MODEL, **body)["choices"][0]["message"]["content"]
+    for draft in (str(embedded_model_path()), str(tiny)):
+        with run_server("--slots", "2", "--spec-type", "draft", "--draft-model", draft, log_dir=tmp_path) as on:
+            assert ask(on, DEFAULT_MODEL, **body)["choices"][0]["message"]["content"] == expected
+            drafted, accepted = spec_counts(on, DEFAULT_MODEL)
+            assert drafted > 0
+            if draft == str(embedded_model_path()):
+                assert accepted > drafted // 2
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, gemma_path):
+    with run_server("--spec-type", "draft", "--draft-model", str(gemma_path), log_dir=tmp_path,
+                    wait_until="/health") as server:
+        for _ in range(100):
+            state = server.health()["models"][DEFAULT_MODEL]
+            if state["state"] != "loading":
+                break
+            import time
+
+            time.sleep(0.2)
+    assert state["state"] == "failed"
+    assert "vocabular" in state["error"]
