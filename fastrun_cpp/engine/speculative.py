@@ -12,7 +12,7 @@ accepting stops paying for drafts.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,10 +22,15 @@ SpecType = Literal["none", "ngram", "draft"]
 @dataclass(frozen=True)
 class SpeculationConfig:
     kind: SpecType = "ngram"
-    draft_max: int = 16  # longest draft for one slot in one step
+    # Longest draft for one slot in one step. On a CPU each extra batch row costs about half a
+    # decode step and 8 pays best; a GPU verifies a few rows almost for free (raise it there).
+    draft_max: int = 8
     draft_min: int = 2  # shorter drafts are not worth a verification
-    ngram_min: int = 3  # shortest context suffix that may be looked up
+    ngram_min: int = 3  # the context suffix looked up
+    match_min: int = 5  # shortest match a draft is taken from
     match_max: int = 32  # how far back a match is compared (longer: more sure)
+    match_slack: int = 4  # candidates matched this much less than the best still vote
+    agreement: float = 0.75  # share of the voting candidates that must agree on a drafted token
     # Drafts fill the batch up to this many rows after the decode tokens of every slot: under
     # load the batch is full of decode tokens and speculation yields to batching.
     batch_rows: int = 16
@@ -70,10 +75,13 @@ class DraftLength:
 
 
 class NgramDrafter:
-    """Prompt-lookup drafts: among the earlier places where the context's last `ngram_min`
-    tokens occur, take the one whose match extends furthest back (the latest on ties) and
-    propose what followed it. A draft is no longer than twice its match: a long match is a copy
-    in progress, a short one a guess. The context is the request's prompt and everything
+    """Prompt-lookup drafts. The earlier places where the context's last `ngram_min` tokens
+    occur are candidates, each scored by how far back its match with the context extends. The
+    draft follows the best-matched candidates token by token and stops where they stop agreeing:
+    text with one continuation (a copy, an unchanged line of code) drafts long, while a
+    template that recurs with different values ("wick number 7", "wick number 13") drafts up to
+    the value and not past it. Nothing is drafted from a match shorter than `match_min`, and a
+    draft is no longer than twice its match. The context is the request's prompt and everything
     accepted since."""
 
     def __init__(self, config: SpeculationConfig, prompt: list[int]) -> None:
@@ -92,9 +100,30 @@ class NgramDrafter:
         config = self._config
         if limit < config.draft_min:
             return []
-        tokens = self._tokens
-        end = len(tokens)
-        n = config.ngram_min
+        candidates = self._candidates()
+        if not candidates:
+            return []
+        best = max(match for match, _ in candidates)
+        if best < config.match_min:
+            return []
+        tokens, end = self._tokens, len(self._tokens)
+        following = [at for match, at in candidates if match >= best - config.match_slack]
+        draft: list[int] = []
+        for offset in range(min(limit, 2 * best)):
+            votes = Counter(tokens[at + offset] for at in following if at + offset < end)
+            if not votes:
+                break
+            token, count = votes.most_common(1)[0]
+            if count < config.agreement * len(following):
+                break
+            draft.append(token)
+            following = [at for at in following if at + offset < end and tokens[at + offset] == token]
+        return draft if len(draft) >= config.draft_min else []
+
+    def _candidates(self) -> list[tuple[int, int]]:
+        """(match length, position after the occurrence) for the latest 64 occurrences of the
+        context's last n-gram."""
+        tokens, end, n = self._tokens, len(self._tokens), self._config.ngram_min
         # Index every n-gram that ends before the current end (the suffix itself must not
         # match its own occurrence).
         for position in range(max(self._indexed, n), end):
@@ -102,17 +131,14 @@ class NgramDrafter:
         self._indexed = max(self._indexed, end)
         if end < n:
             return []
-        best_at, best_match = -1, 0
-        for at in reversed(self._index.get(tuple(tokens[end - n :]), ())[-64:]):  # the latest 64 places
+        match_max = self._config.match_max
+        candidates = []
+        for at in self._index.get(tuple(tokens[end - n :]), ())[-64:]:
             match = n
-            while match < config.match_max and at - match > 0 and tokens[at - match - 1] == tokens[end - match - 1]:
+            while match < match_max and at - match > 0 and tokens[at - match - 1] == tokens[end - match - 1]:
                 match += 1
-            if match > best_match:
-                best_at, best_match = at, match
-        if best_at < 0:
-            return []
-        draft = tokens[best_at : best_at + min(limit, 2 * best_match)]
-        return draft if len(draft) >= config.draft_min else []
+            candidates.append((match, at))
+        return candidates
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.length.verified(drafted, accepted)
