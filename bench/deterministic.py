@@ -28,7 +28,7 @@ import httpx  # noqa: E402
 async def cold_ttft(base_url: str, records: int, tag: str) -> float:
     async with httpx.AsyncClient(timeout=600) as client:
         ttft, _, cached = await time_to_first_token(client, base_url, long_document(tag)[: records * 60])
-        assert cached == 0
+        assert cached < 16  # at most the template's opening tokens, shared with earlier requests
         return ttft
 
 

@@ -48,7 +48,7 @@ async def time_to_first_token(client: httpx.AsyncClient, base_url: str, prompt: 
 
 
 async def cold_vs_warm(base_url: str, repeats: int) -> None:
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         colds, warms = [], []
         for index in range(repeats):
             prompt = long_document(f"warehouse{index}")
@@ -70,7 +70,7 @@ async def chat_users(base_url: str, users: int, turns: int) -> None:
     ]
     per_turn: list[tuple[int, int]] = [(0, 0)] * turns
 
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         async def user(u: int) -> None:
             messages = conversations[u]
             for turn in range(turns):
@@ -116,7 +116,7 @@ def restart_warm(spec: ServerSpec, repeats: int) -> None:
 
 
 async def _first_token(base_url: str, prompt: str) -> tuple[float, int, int]:
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         return await time_to_first_token(client, base_url, prompt)
 
 

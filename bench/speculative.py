@@ -7,8 +7,9 @@ Workloads (temperature 0, streamed): `copy` (the answer repeats a ~1k-token pass
 prompt, 256 tokens), `code-edit` (a ~900-token file returned with one name changed), `chat`
 (ordinary short questions, 128 tokens). Each at concurrency 1 and 8; servers alternate order
 every round. Reports tok/s (at c=1 one stream's decode speed after its first token; at c=8
-aggregate tokens over wall time), TTFT p50 and the draft acceptance rate, and each server's
-ratio to llama-server with ngram-mod.
+aggregate tokens over wall time), TTFT p50, the draft acceptance rate, failed requests (a
+server that dies mid-stream is counted, not fatal), each server's ratio to llama-server with
+ngram-mod and each speculating server's ratio to itself with speculation off.
 """
 
 from __future__ import annotations
@@ -68,6 +69,16 @@ WORKLOADS = {"copy": copy_body, "code-edit": code_edit_body, "chat": chat_body}
 
 
 async def one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
+    """One streamed answer; a failed one (error status, a server that dies mid-stream) is
+    counted, not raised."""
+    try:
+        return await answer(client, base_url, body)
+    except httpx.HTTPError as error:
+        print(f"request failed: {error!r}", file=sys.stderr)
+        return {"ttft": 0.0, "tokens": 0, "timings": {}, "decode_tok_s": 0.0, "failed": True}
+
+
+async def answer(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
     started = time.perf_counter()
     first = None
     tokens = 0
@@ -88,11 +99,12 @@ async def one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
     total = time.perf_counter() - started
     decode = total - (first or 0.0)
     return {"ttft": first or 0.0, "tokens": tokens, "timings": timings,
-            "decode_tok_s": (tokens - 1) / decode if decode > 0 and tokens > 1 else 0.0}
+            "decode_tok_s": (tokens - 1) / decode if decode > 0 and tokens > 1 else 0.0, "failed": False}
 
 
 async def level(base_url: str, make, concurrency: int, requests: int) -> tuple[float, list[dict]]:
-    async with httpx.AsyncClient(timeout=900) as client:
+    # A connection per request: llama-server may close a kept-alive connection just as it is reused.
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         started = time.perf_counter()
         results: list[dict] = []
         for start in range(0, requests, concurrency):
@@ -147,29 +159,40 @@ def main() -> int:
                         _, accepted = acceptance(spec.name, server.base_url, stats, results)
                         # c=1: the decode speed of one stream (after its first token), which is what
                         # speculation changes; c>1: aggregate tokens over wall time.
-                        rate = (statistics.median(r["decode_tok_s"] for r in results) if concurrency == 1
+                        answered = [r for r in results if not r["failed"]] or [{"decode_tok_s": 0.0, "ttft": 0.0}]
+                        failed = sum(r["failed"] for r in results)
+                        rate = (statistics.median(r["decode_tok_s"] for r in answered) if concurrency == 1
                                 else sum(r["tokens"] for r in results) / wall)
-                        ttft = percentile([r["ttft"] for r in results], 50)
-                        rows.setdefault((spec.title, workload, concurrency), []).append((rate, ttft, accepted))
+                        ttft = percentile([r["ttft"] for r in answered], 50)
+                        rows.setdefault((spec.title, workload, concurrency), []).append((rate, ttft, accepted, failed))
                         print(f"round {round_index + 1} {spec.title:24s} {workload:9s} c={concurrency}: "
                               f"{rate:6.1f} tok/s, TTFT p50 {ttft * 1000:6.0f} ms, accepted "
-                              f"{'-' if accepted is None else f'{accepted:.0%}'}", file=sys.stderr)
-    lines = ["| workload | c | server | tok/s | vs llama-server ngram-mod | TTFT p50 | drafts accepted |",
-             "|---|---|---|---|---|---|---|"]
+                              f"{'-' if accepted is None else f'{accepted:.0%}'}, failed {failed}", file=sys.stderr)
+    lines = ["| workload | c | server | tok/s | vs llama-server ngram-mod | vs its own plain | TTFT p50 | drafts accepted "
+             "| failed |", "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
+    plain_of = {"llama-server ngram-mod": "llama-server plain", "fastrun-cpp ngram": "fastrun-cpp plain"}
+
+    def median_rate(title: str, workload: str, concurrency: int) -> float:
+        return statistics.median(v[0] for v in rows[(title, workload, concurrency)])
+
     for workload in args.workloads:
         for concurrency in args.levels:
-            reference = statistics.median(r[0] for r in rows[("llama-server ngram-mod", workload, concurrency)])
+            reference = median_rate("llama-server ngram-mod", workload, concurrency)
             for spec in servers:
                 values = rows[(spec.title, workload, concurrency)]
-                rate = statistics.median(v[0] for v in values)
+                rate = median_rate(spec.title, workload, concurrency)
                 ttft = statistics.median(v[1] for v in values)
                 accepted = [v[2] for v in values if v[2] is not None]
+                failed = sum(v[3] for v in values)
                 share = f"{statistics.median(accepted):.0%}" if accepted else "-"
-                lines.append(f"| {workload} | {concurrency} | {spec.title} | {rate:.1f} | {rate / reference:.2f}x | "
-                             f"{ttft * 1000:.0f} ms | {share} |")
+                versus = f"{rate / reference:.2f}x" if reference else "-"
+                plain = median_rate(plain_of[spec.title], workload, concurrency) if spec.title in plain_of else None
+                own = f"{rate / plain:.3f}x" if plain else "-"
+                lines.append(f"| {workload} | {concurrency} | {spec.title} | {rate:.1f} | {versus} | {own} | "
+                             f"{ttft * 1000:.0f} ms | {share} | {failed}/{concurrency * 2 * len(values)} |")
                 summary[f"{workload}/c{concurrency}/{spec.title}"] = {"tok_per_s": rate, "ttft_p50_s": ttft,
-                                                                      "accepted": share}
+                                                                      "accepted": share, "failed": failed}
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,13 @@ from fastrun_cpp.engine.request import (
 )
 from fastrun_cpp.engine.sampling import NO_TOKEN, Candidates, SamplerChain
 from fastrun_cpp.engine.slot import Slot
-from fastrun_cpp.engine.speculative import NgramDrafter, SpeculationConfig
+from fastrun_cpp.engine.speculative import (
+    Acceptance,
+    NgramDrafter,
+    SpeculationConfig,
+    StepCosts,
+    worth_verifying,
+)
 from fastrun_cpp.engine.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -194,6 +200,8 @@ class Engine:
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._clock = 0  # increases every admission; orders slots by recency
         self._clock_steps = 0  # increases every step; orders slots' turns to draft
+        self._step_costs = StepCosts()  # what steps of each size take here: drafts pay their rows
+        self._acceptance = Acceptance(weight=0.1)  # over all slots: where a new request's starts
         self._prompt_cache = PromptCache(config.prompt_cache_mib * 2**20)
         self.disk_cache = disk_cache
         self.stats = EngineStats()
@@ -436,6 +444,7 @@ class Engine:
                 admitted_at=self._clock,
                 drafter=self._drafter(request),
                 speculative=self.config.speculation.enabled and request.speculative,
+                acceptance=self._acceptance.rate,
             )
             if self._draft_runner is not None:
                 self._draft_runner.reset(slot.seq_id)
@@ -575,6 +584,7 @@ class Engine:
             slot.cache_tokens.extend(tokens)  # the drafts' KV is dropped again where rejected
             slot.pending_token = None
             in_batch.append(slot)
+        decode_rows = batch.size
         finishing_prefill: list[Slot] = []
         prefilling = sorted((s for s in self._slots if s.is_prefilling), key=lambda s: s.admitted_at)
         for slot in prefilling:
@@ -611,7 +621,10 @@ class Engine:
             request, followers, slot.followers = slot.request, slot.followers, []
             outputs.append(self._sample(slot))
             outputs.extend(self._fork(slot, request, followers))
-        self._throughput.step(sum(len(o.token_ids) for o in outputs), time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._throughput.step(sum(len(o.token_ids) for o in outputs), elapsed)
+        if batch.size == decode_rows:  # prompt chunks would make it another kind of step
+            self._step_costs.record(decode_rows, elapsed)
         return outputs
 
     def _drafts(self, decoding: list[Slot]) -> dict[int, list[int]]:
@@ -637,10 +650,15 @@ class Engine:
                 seq: ([*slots[seq].cache_tokens, slots[seq].pending_token], limit) for seq, limit in limits.items()})
         else:
             drafts = {seq: draft for seq, limit in limits.items() if (draft := slots[seq].drafter.propose(limit))}
+        kept = worth_verifying([(seq, len(draft), slots[seq].acceptance.rate) for seq, draft in drafts.items()],
+                               len(decoding), self._step_costs)
         for seq in drafts:
-            slots[seq].drafted_at = self._clock_steps
+            if seq in kept:
+                slots[seq].drafted_at = self._clock_steps
+            else:
+                slots[seq].acceptance.held_back()
         self._clock_steps += 1
-        return drafts
+        return {seq: draft for seq, draft in drafts.items() if seq in kept}
 
     def _sample(self, slot: Slot) -> GenerationOutput:
         """Pick the slot's tokens from this step's logits: one, or - with drafts - one per
@@ -674,6 +692,8 @@ class Engine:
             self.stats.accepted_tokens += accepted
             slot.drafted_total += drafted
             slot.accepted_total += accepted
+            slot.acceptance.verified(drafted, accepted)
+            self._acceptance.verified(drafted, accepted)
             if slot.drafter is not None:
                 slot.drafter.verified(drafted, accepted)
             else:

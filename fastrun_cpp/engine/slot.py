@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastrun_cpp.engine.logprobs import TokenLogprob
 from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
 from fastrun_cpp.engine.sampling import SamplerChain
-from fastrun_cpp.engine.speculative import NgramDrafter
+from fastrun_cpp.engine.speculative import Acceptance, NgramDrafter
 from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
 
 
@@ -37,6 +37,7 @@ class Slot:
         self.drafted_at = 0  # step of its last draft: slots take turns when drafts are scarce
         self.drafted_total = 0
         self.accepted_total = 0
+        self.acceptance = Acceptance()
         self.detokenizer: IncrementalDetokenizer | None = None
         self.stop_matcher: StopMatcher | None = None
         self.watched_text = ""  # generated text, kept while a lazy grammar watches for its trigger
@@ -67,6 +68,7 @@ class Slot:
         admitted_at: int,
         drafter: NgramDrafter | None,
         speculative: bool = False,
+        acceptance: float = 1.0,
     ) -> None:
         """Take a request's choice `index`; the first `reused` prompt tokens are in the KV
         already (a follower, which waits for the leader's prompt, counts all of them)."""
@@ -88,6 +90,7 @@ class Slot:
         self.drafter = drafter
         self.speculative = speculative
         self.drafted_total = self.accepted_total = 0
+        self.acceptance = Acceptance(acceptance)
         self.detokenizer = IncrementalDetokenizer(token_bytes)
         self.stop_matcher = StopMatcher(request.stop)
         self.watched_text = ""

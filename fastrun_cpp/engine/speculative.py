@@ -7,7 +7,9 @@ speculation, and a drafted token counts only where it equals that pick. With poi
 to "keep while equal", so the output - its distribution, and with a seed the very tokens - is
 the one speculation off would give, at any temperature, with grammars, penalties and
 logit_bias. Lengths adapt to how much recent drafts were accepted, so a stream that stops
-accepting stops paying for drafts.
+accepting stops paying for drafts; and a draft is verified only where the step's expected
+yield per second rises with it, from what steps of each size were measured to cost here
+(a CPU pays about half a decode step per extra row, a GPU almost nothing).
 """
 
 from __future__ import annotations
@@ -38,6 +40,71 @@ class SpeculationConfig:
     @property
     def enabled(self) -> bool:
         return self.kind != "none"
+
+
+class Acceptance:
+    """A recent share of drafted tokens accepted: a slot's, starting from the engine's (which
+    starts optimistic, so a fresh engine tries its first drafts). It drifts back up while a
+    slot's drafts are held back, so a stream whose text turns copyable is tried again."""
+
+    DRIFT = 0.02  # towards 1 per draft held back
+
+    def __init__(self, rate: float = 1.0, weight: float = 0.5) -> None:
+        self.rate = rate
+        self._weight = weight  # of the latest verification
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rate += self._weight * (accepted / drafted - self.rate)
+
+    def held_back(self) -> None:
+        self.rate += self.DRIFT * (1.0 - self.rate)
+
+
+class StepCosts:
+    """Seconds a decode step takes by its number of rows, learned from this engine's own steps
+    (those without prompt chunks). A size not measured yet is interpolated between its measured
+    neighbours, and past the largest taken as the largest: optimistic, so that each size gets
+    tried, and then measured."""
+
+    WEIGHT = 0.2
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        previous = self._seconds.get(rows)
+        self._seconds[rows] = seconds if previous is None else previous + self.WEIGHT * (seconds - previous)
+
+    def estimate(self, rows: int) -> float | None:
+        known = self._seconds
+        if rows in known:
+            return known[rows]
+        below = max((size for size in known if size < rows), default=None)
+        above = min((size for size in known if size > rows), default=None)
+        if below is None or above is None:
+            nearest = below if above is None else above
+            return None if nearest is None else known[nearest]
+        share = (rows - below) / (above - below)
+        return known[below] + share * (known[above] - known[below])
+
+
+def worth_verifying(drafts: list[tuple[int, int, float]], decoding: int, costs: StepCosts) -> set[int]:
+    """The drafts to verify in a step with `decoding` slots: `drafts` holds (key, length, the
+    slot's acceptance rate). Taken by acceptance, each draft is kept when it raises the tokens
+    the step is expected to yield per second - every decode token counts 1, a draft its length
+    times its acceptance - because each row verified slows the step, and so every slot's next
+    token."""
+    kept: set[int] = set()
+    tokens, rows = float(decoding), decoding
+    for key, length, acceptance in sorted(drafts, key=lambda draft: -draft[2]):
+        now, then = costs.estimate(rows), costs.estimate(rows + length)
+        gain = acceptance * length
+        if now is None or then is None or (tokens + gain) * now > tokens * then:
+            kept.add(key)
+            tokens += gain
+            rows += length
+    return kept
 
 
 class DraftLength:
