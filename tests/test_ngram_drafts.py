@@ -1,10 +1,11 @@
-"""What the n-gram drafter proposes: a copy in progress drafts its continuation, a template
-that recurs with different values drafts up to the value and not past it, and short or
-missing matches draft nothing (each rejected row costs a CPU about half a decode step)."""
+"""What speculation proposes and what it verifies: a copy in progress drafts its continuation,
+a template that recurs with different values drafts up to the value and not past it, short or
+missing matches draft nothing; and a draft is verified only where it pays for its rows, from
+measured step costs (each rejected row costs a CPU about half a decode step, a GPU little)."""
 
 from __future__ import annotations
 
-from fastrun_cpp.engine.speculative import NgramDrafter, SpeculationConfig
+from fastrun_cpp.engine.speculative import Acceptance, NgramDrafter, SpeculationConfig, StepCosts, worth_verifying
 
 CONFIG = SpeculationConfig(draft_max=8, draft_min=2, ngram_min=3, match_min=5)
 
@@ -56,3 +57,48 @@ def test_drafts_pause_after_repeated_misses():
     drafts.verified(len(draft), 0)
     drafts.verified(len(draft), 0)
     assert drafts.propose(8) == []  # paused
+
+
+def costs(seconds_by_rows: dict[int, float]) -> StepCosts:
+    measured = StepCosts()
+    for rows, seconds in seconds_by_rows.items():
+        measured.record(rows, seconds)
+    return measured
+
+
+CPU = {1: 0.010, 2: 0.019, 4: 0.030, 8: 0.047, 9: 0.052, 16: 0.083, 24: 0.118}  # a 2-core EPYC
+GPU = {1: 0.010, 9: 0.0105, 16: 0.011}
+
+
+def test_step_costs_interpolate_and_stay_optimistic_past_what_was_measured():
+    assert StepCosts().estimate(4) is None
+    measured = costs({2: 0.020, 6: 0.040})
+    assert measured.estimate(4) == 0.030
+    assert measured.estimate(1) == 0.020 and measured.estimate(12) == 0.040  # tried, then measured
+    measured.record(6, 0.050)
+    assert 0.040 < measured.estimate(6) < 0.050  # a moving average: one slow step does not rule
+
+
+def test_one_stream_on_a_cpu_verifies_only_drafts_likely_to_be_accepted():
+    assert worth_verifying([(0, 8, 0.9)], 1, costs(CPU)) == {0}
+    assert worth_verifying([(0, 8, 0.3)], 1, costs(CPU)) == set()
+
+
+def test_on_a_gpu_rows_are_cheap_and_even_doubtful_drafts_are_verified():
+    assert worth_verifying([(0, 8, 0.3)], 1, costs(GPU)) == {0}
+
+
+def test_a_full_batch_keeps_only_the_best_drafts():
+    # 8 slots decoding: a draft slows all eight, so it must be accepted nearly whole.
+    drafts = [(slot, 8, rate) for slot, rate in enumerate([0.95, 0.6, 0.5])]
+    assert worth_verifying(drafts, 8, costs(CPU)) == {0}
+
+
+def test_acceptance_follows_verifications_and_drifts_back_while_held():
+    rate = Acceptance(0.9)
+    rate.verified(8, 0)
+    low = rate.rate
+    assert low < 0.5
+    for _ in range(30):
+        rate.held_back()
+    assert rate.rate > low + 0.2  # tried again in time
