@@ -130,9 +130,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--levels", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--servers", nargs="*", default=["llama-server", "fastrun-cpp"],
+                        help="which servers to run (e.g. fastrun-cpp alone on a GPU machine without llama-server)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    if not LLAMA_SERVER.exists():
+    if "llama-server" in args.servers and not LLAMA_SERVER.exists():
         import subprocess
 
         subprocess.run(["bash", str(ROOT / "bench" / "build_llama_server.sh")], check=True)
@@ -145,6 +147,7 @@ def main() -> int:
         ServerSpec("fastrun-cpp", slots, 4096, threads, extra_args=("--spec-type", "none"), label="fastrun-cpp plain"),
         ServerSpec("fastrun-cpp", slots, 4096, threads, label="fastrun-cpp ngram"),
     ]
+    servers = [spec for spec in servers if spec.name in args.servers]
     rows: dict[tuple[str, str, int], list[tuple[float, float, float | None]]] = {}
     for round_index in range(args.rounds):
         order = servers if round_index % 2 == 0 else list(reversed(servers))
@@ -178,7 +181,8 @@ def main() -> int:
 
     for workload in args.workloads:
         for concurrency in args.levels:
-            reference = median_rate("llama-server ngram-mod", workload, concurrency)
+            reference = (median_rate("llama-server ngram-mod", workload, concurrency)
+                         if "llama-server" in args.servers else None)
             for spec in servers:
                 values = rows[(spec.title, workload, concurrency)]
                 rate = median_rate(spec.title, workload, concurrency)

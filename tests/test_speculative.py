@@ -130,3 +130,31 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, gemma_path):
             time.sleep(0.2)
     assert state["state"] == "failed"
     assert "vocabular" in state["error"]
+
+
+def test_a_copying_stream_drafts_beside_busy_chat_streams(tmp_path):
+    """Draft rows go to the slots that have drafts: three chat streams without matches in their
+    context must not hold the rows a copying stream next to them can use."""
+    import json
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    with run_server("--slots", "4", "--ctx-size", "2048", log_dir=tmp_path) as server:
+        def post(messages: list[dict], request_id: str) -> None:
+            response = httpx.post(f"{server.base_url}/chat/completions", headers={"X-Request-ID": request_id},
+                                  json={"model": DEFAULT_MODEL, "messages": messages, "max_tokens": 200,
+                                        "temperature": 0}, timeout=300)
+            assert response.status_code == 200, response.text
+
+        with ThreadPoolExecutor(4) as pool:
+            chats = [pool.submit(post, [{"role": "user", "content": f"Write a long story about a {animal}."}],
+                                 f"chat-{animal}") for animal in ("fox", "crow", "bear")]
+            deadline = time.monotonic() + 60
+            while server.busy_slots() < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            copy = pool.submit(post, COPY, "copy-request")
+            for future in [*chats, copy]:
+                future.result()
+        lines = [json.loads(line[line.index("{"):]) for line in server.log().splitlines()
+                 if '"request_id": "copy-request"' in line]
+        assert lines and lines[0].get("spec_accepted", 0) > 0, lines

@@ -633,32 +633,39 @@ class Engine:
         budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding))
         if budget < spec.draft_min or not spec.enabled:
             return {}
-        limits: dict[int, int] = {}
-        for slot in sorted(decoding, key=lambda s: s.drafted_at):  # fair turns under a tight budget
-            if not slot.speculative or budget < spec.draft_min:
-                continue
-            # Room for the pending token, the drafts and the bonus token: in the answer's length
-            # and in the context.
-            room = min(slot.max_tokens - slot.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
-            limit = min(budget, room, spec.draft_max)
-            if limit >= spec.draft_min:
-                limits[slot.seq_id] = limit
-                budget -= limit
-        slots = {slot.seq_id: slot for slot in decoding}
+        in_turn = sorted((s for s in decoding if s.speculative), key=lambda s: s.drafted_at)  # fair turns
+        slots = {slot.seq_id: slot for slot in in_turn}
+        drafts: dict[int, list[int]] = {}
         if self._draft_runner is not None:
+            # One batched drafting pass for all slots: rows are reserved before drafting.
+            limits: dict[int, int] = {}
+            for slot in in_turn:
+                if (limit := self._draft_limit(slot, budget)) >= spec.draft_min:
+                    limits[slot.seq_id] = limit
+                    budget -= limit
             drafts = self._draft_runner.propose({
                 seq: ([*slots[seq].cache_tokens, slots[seq].pending_token], limit) for seq, limit in limits.items()})
         else:
-            drafts = {seq: draft for seq, limit in limits.items() if (draft := slots[seq].drafter.propose(limit))}
+            # Rows go to the drafts actually proposed: a slot whose context has no match takes none.
+            for slot in in_turn:
+                limit = self._draft_limit(slot, budget)
+                if limit >= spec.draft_min and (draft := slot.drafter.propose(limit)):
+                    drafts[slot.seq_id] = draft
+                    budget -= len(draft)
         kept = worth_verifying([(seq, len(draft), slots[seq].acceptance.rate) for seq, draft in drafts.items()],
                                len(decoding), self._step_costs)
         for seq in drafts:
-            if seq in kept:
-                slots[seq].drafted_at = self._clock_steps
-            else:
+            slots[seq].drafted_at = self._clock_steps  # drafting, verified or not, ends the slot's turn
+            if seq not in kept:
                 slots[seq].acceptance.held_back()
         self._clock_steps += 1
         return {seq: draft for seq, draft in drafts.items() if seq in kept}
+
+    def _draft_limit(self, slot: Slot, budget: int) -> int:
+        # Room for the pending token, the drafts and the bonus token: in the answer's length
+        # and in the context.
+        room = min(slot.max_tokens - slot.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
+        return min(budget, room, self.config.speculation.draft_max)
 
     def _sample(self, slot: Slot) -> GenerationOutput:
         """Pick the slot's tokens from this step's logits: one, or - with drafts - one per

@@ -50,6 +50,9 @@ class LlamaModel:
     ) -> None:
         init_backend()
         self.path = Path(path)
+        if vocab_only:
+            # A tokenizer needs no device; a CUDA build crashed loading one with GPUs selected.
+            n_gpu_layers, main_gpu, split_mode, tensor_split = 0, -1, "none", None
         params = llama.llama_model_default_params()
         # Repacked weights (llama.cpp's "extra buffer types") are faster, but their kernels
         # compute a row differently depending on how many rows are in the batch.
