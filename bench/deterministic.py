@@ -4,7 +4,7 @@ and with llama.cpp's fastest kernels (--no-deterministic), side by side, alterna
     python bench/deterministic.py [--rounds 2]
 
 Measures streamed chat at concurrency 1 and 8 (aggregate tok/s, TTFT p50) and the time to
-first token of cold prompts of ~500 and ~3000 tokens.
+first token of cold prompts of ~600 and ~3800 tokens.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> int:
                     summary = LevelSummary.of(mode, concurrency, wall, level)
                     results.setdefault((mode, f"c={concurrency} tok/s"), []).append(summary.tok_per_s)
                     results.setdefault((mode, f"c={concurrency} TTFT p50 ms"), []).append(summary.ttft_p50 * 1000)
-                for records, label in ((26, "~500-token"), (160, "~3000-token")):
+                for records, label in ((26, "~600-token"), (160, "~3800-token")):
                     ttft, tokens = asyncio.run(cold_ttft(server.base_url, records, f"{mode}{round_index}x{records}"))
                     results.setdefault((mode, f"cold {label} prompt TTFT ms"), []).append(ttft * 1000)
                     print(f"  {mode}: {tokens}-token prompt, TTFT {ttft * 1000:.0f} ms", file=sys.stderr)

@@ -30,10 +30,11 @@ class Limits(BaseModel):
     grammar_bytes: int = Field(1 << 20, ge=1024, description="Bytes of a generated grammar.")
     grammar_nesting: int = Field(128, ge=8, description="Nested groups in a generated grammar.")
     grammar_first_step_ms: float = Field(
-        100, gt=0, description="Time the grammar may take to mask the vocabulary in its first step (ms)."
+        100, gt=0, description="CPU time the grammar may take to mask a 128k-token vocabulary in its first step "
+        "(ms; scaled for larger vocabularies)."
     )
     grammar_step_ms: float = Field(
-        250, gt=0, description="Time a running grammar may take for one token before its request is ended (ms)."
+        250, gt=0, description="CPU time a running grammar may take for one token before its request is ended (ms)."
     )
     schema_timeout_s: float = Field(5, gt=0, description="Time to turn a schema into a grammar (s).")
     grammar_timeout_s: float = Field(10, gt=0, description="Time to compile a grammar (s).")

@@ -630,7 +630,10 @@ class Engine:
     def _drafts(self, decoding: list[Slot]) -> dict[int, list[int]]:
         """Draft tokens per slot for this step, within the rows the batch spares for them."""
         spec = self.config.speculation
-        budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding))
+        # Drafts take only rows no prompt is waiting for: a prompt row is sure progress, a
+        # drafted one a guess, and under load speculation yields to batching and prefill alike.
+        prefill = sum(len(s.request.prompt_tokens) - s.prompt_cursor for s in self._slots if s.is_prefilling)
+        budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding) - prefill)
         if budget < spec.draft_min or not spec.enabled:
             return {}
         in_turn = sorted((s for s in decoding if s.speculative), key=lambda s: s.drafted_at)  # fair turns
@@ -675,10 +678,10 @@ class Engine:
         logprobs: list[TokenLogprob] | None = [] if slot.request.logprobs is not None else None
         drafted = len(slot.draft)
         for position, batch_index in enumerate(slot.batch_indices):
-            started = time.perf_counter()
+            started = time.thread_time()  # the sampler's work, not time spent waiting for a CPU
             token = slot.sampler.sample(self._ctx, batch_index, self._candidates)
             if slot.sampler.constrained:
-                elapsed_ms = (time.perf_counter() - started) * 1000
+                elapsed_ms = (time.thread_time() - started) * 1000
                 if elapsed_ms > self.config.grammar_step_ms:
                     return self._reject_for_grammar_cost(slot, elapsed_ms)
             emitted.append(token)
