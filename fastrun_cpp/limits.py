@@ -34,7 +34,8 @@ class Limits(BaseModel):
         "(ms; scaled for larger vocabularies)."
     )
     grammar_step_ms: float = Field(
-        250, gt=0, description="CPU time a running grammar may take for one token before its request is ended (ms)."
+        500, gt=0, description="CPU time a running grammar may take for one token with a 128k-token vocabulary "
+        "before its request is ended (ms; scaled for larger vocabularies)."
     )
     schema_timeout_s: float = Field(5, gt=0, description="Time to turn a schema into a grammar (s).")
     grammar_timeout_s: float = Field(10, gt=0, description="Time to compile a grammar (s).")

@@ -24,7 +24,7 @@ from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.faults import Faults
-from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar
+from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_scale
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
 from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.model import LlamaModel
@@ -100,7 +100,7 @@ class EngineConfig:
     flash_attn: str  # auto / on / off
     cache_type_k: str  # KV cache data types
     cache_type_v: str
-    grammar_step_ms: float = 250.0  # a grammar taking longer for one token ends its request
+    grammar_step_ms: float = 500.0  # a grammar taking longer for one token (128k vocabulary) ends its request
     speculation: SpeculationConfig = SpeculationConfig(kind="none")
 
 
@@ -200,6 +200,7 @@ class Engine:
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._clock = 0  # increases every admission; orders slots by recency
         self._clock_steps = 0  # increases every step; orders slots' turns to draft
+        self._grammar_step_ms = config.grammar_step_ms * vocabulary_scale(model.n_vocab)
         self._step_costs = StepCosts()  # what steps of each size take here: drafts pay their rows
         self._acceptance = Acceptance(weight=0.1)  # over all slots: where a new request's starts
         self._prompt_cache = PromptCache(config.prompt_cache_mib * 2**20)
@@ -682,7 +683,7 @@ class Engine:
             token = slot.sampler.sample(self._ctx, batch_index, self._candidates)
             if slot.sampler.constrained:
                 elapsed_ms = (time.thread_time() - started) * 1000
-                if elapsed_ms > self.config.grammar_step_ms:
+                if elapsed_ms > self._grammar_step_ms:
                     return self._reject_for_grammar_cost(slot, elapsed_ms)
             emitted.append(token)
             if token == NO_TOKEN or token in self.model.eog_token_ids:
@@ -720,8 +721,8 @@ class Engine:
         logger.warning("request %s: its grammar took %.0f ms for one token; ending it",
                        slot.request.request_id, elapsed_ms)
         output = slot.output(finish_reason=FinishReason.ERROR, rejected=True, error=(
-            f"the grammar took {elapsed_ms:.0f} ms for one token, over {self.config.grammar_step_ms:g} ms "
-            "(limit --limit-grammar-step-ms); simplify the schema's patterns or repetitions"))
+            f"the grammar took {elapsed_ms:.0f} ms of CPU for one token, over {self._grammar_step_ms:g} ms for this "
+            "model's vocabulary (limit --limit-grammar-step-ms); simplify the schema's patterns or repetitions"))
         self._drop_drafts(slot)
         self._release(slot)
         return output

@@ -24,7 +24,13 @@ from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.sampling import Candidates
 from fastrun_cpp.structured.spec import GrammarSpec
 
-LIMIT_VOCABULARY = 131072  # --limit-grammar-first-step-ms is for a vocabulary of this many tokens
+LIMIT_VOCABULARY = 131072  # the grammar time limits are for a vocabulary of this many tokens
+
+
+def vocabulary_scale(n_vocab: int) -> float:
+    """How much longer than its limit a grammar may take with this vocabulary: masking it is
+    work per token of the vocabulary."""
+    return max(1.0, n_vocab / LIMIT_VOCABULARY)
 
 
 class GrammarError(ValueError):
@@ -115,8 +121,7 @@ class GrammarCompiler:
             elapsed_ms = (time.thread_time() - started) * 1000
         finally:
             llama.llama_sampler_free(sampler)
-        # The work grows with the vocabulary: the limit is for 128k tokens and scales beyond.
-        limit_ms = self.limits.grammar_first_step_ms * max(1.0, self._model.n_vocab / LIMIT_VOCABULARY)
+        limit_ms = self.limits.grammar_first_step_ms * vocabulary_scale(self._model.n_vocab)
         if elapsed_ms > limit_ms:
             raise GrammarError(
                 f"the grammar is too costly to run: its first step took {elapsed_ms:.0f} ms of CPU, over "
