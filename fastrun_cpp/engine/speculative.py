@@ -89,20 +89,18 @@ class StepCosts:
         return known[below] + share * (known[above] - known[below])
 
 
-def worth_verifying(drafts: list[tuple[int, int, float]], decoding: int, costs: StepCosts,
-                    margin: float = 1.1) -> set[int]:
+def worth_verifying(drafts: list[tuple[int, int, float]], decoding: int, costs: StepCosts) -> set[int]:
     """The drafts to verify in a step with `decoding` slots: `drafts` holds (key, length, the
     slot's acceptance rate). Taken by acceptance, each draft is kept when it raises the tokens
     the step is expected to yield per second - every decode token counts 1, a draft its length
     times its acceptance - because each row verified slows the step, and so every slot's next
-    token. A draft must raise that rate by `margin`: acceptance rates and step costs are
-    estimates, and a gain within their error is as likely a loss."""
+    token."""
     kept: set[int] = set()
     tokens, rows = float(decoding), decoding
     for key, length, acceptance in sorted(drafts, key=lambda draft: -draft[2]):
         now, then = costs.estimate(rows), costs.estimate(rows + length)
         gain = acceptance * length
-        if now is None or then is None or (tokens + gain) * now > margin * tokens * then:
+        if now is None or then is None or (tokens + gain) * now > tokens * then:
             kept.add(key)
             tokens += gain
             rows += length
