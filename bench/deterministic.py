@@ -18,22 +18,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import LevelSummary, ServerSpec, run_level, running  # noqa: E402
-from bench.prefix_cache import time_to_first_token  # noqa: E402
+from bench.prefix_cache import long_document, time_to_first_token  # noqa: E402
 from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 import httpx  # noqa: E402
 
 
-def document(tag: str, records: int) -> str:
-    """About 19 tokens per record, all of them new for each tag."""
-    facts = " ".join(f"Record {i}: the {tag} ledger lists item {i * 37 % 101} in aisle {i % 17}." for i in range(records))
-    return f"{tag.capitalize()} ledger. {facts}"
-
-
 async def cold_ttft(base_url: str, records: int, tag: str) -> tuple[float, int]:
     async with httpx.AsyncClient(timeout=600) as client:
-        ttft, tokens, cached = await time_to_first_token(client, base_url, document(tag, records))
+        ttft, tokens, cached = await time_to_first_token(client, base_url, long_document(tag, records))
         assert cached < 16  # at most the template's opening tokens, shared with earlier requests
         return ttft, tokens
 

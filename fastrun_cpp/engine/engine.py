@@ -576,7 +576,8 @@ class Engine:
         batch.clear()
         in_batch: list[Slot] = []
         decoding = [slot for slot in self._slots if slot.is_decoding]
-        drafts = self._drafts(decoding)
+        prefilling = sorted((s for s in self._slots if s.is_prefilling), key=lambda s: s.admitted_at)
+        drafts = self._drafts(decoding, sum(len(s.request.prompt_tokens) - s.prompt_cursor for s in prefilling))
         for slot in decoding:
             tokens = [slot.pending_token, *drafts.get(slot.seq_id, ())]
             last = batch.add(slot.seq_id, tokens, len(slot.cache_tokens), logits=True)
@@ -587,7 +588,6 @@ class Engine:
             in_batch.append(slot)
         decode_rows = batch.size
         finishing_prefill: list[Slot] = []
-        prefilling = sorted((s for s in self._slots if s.is_prefilling), key=lambda s: s.admitted_at)
         for slot in prefilling:
             if batch.free == 0:
                 break
@@ -628,13 +628,12 @@ class Engine:
             self._step_costs.record(decode_rows, elapsed)
         return outputs
 
-    def _drafts(self, decoding: list[Slot]) -> dict[int, list[int]]:
+    def _drafts(self, decoding: list[Slot], prompt_rows: int) -> dict[int, list[int]]:
         """Draft tokens per slot for this step, within the rows the batch spares for them."""
         spec = self.config.speculation
-        # Drafts take only rows no prompt is waiting for: a prompt row is sure progress, a
-        # drafted one a guess, and under load speculation yields to batching and prefill alike.
-        prefill = sum(len(s.request.prompt_tokens) - s.prompt_cursor for s in self._slots if s.is_prefilling)
-        budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding) - prefill)
+        # Drafts take only rows no prompt is waiting for (`prompt_rows`): a prompt row is sure
+        # progress, a drafted one a guess; under load speculation yields to batching and prefill alike.
+        budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding) - prompt_rows)
         if budget < spec.draft_min or not spec.enabled:
             return {}
         in_turn = sorted((s for s in decoding if s.speculative), key=lambda s: s.drafted_at)  # fair turns
