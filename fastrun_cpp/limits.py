@@ -17,6 +17,8 @@ class Limits(BaseModel):
     prompts: int = Field(64, ge=1, description="Prompts in one completions request.")
     logit_bias: int = Field(1024, ge=1, description="Entries of logit_bias.")
     stop_length: int = Field(512, ge=1, description="Characters of one stop string.")
+    stop_sequences: int = Field(16, ge=1, description="Stop strings in one request (Messages' stop_sequences).")
+    embedding_inputs: int = Field(2048, ge=1, description="Inputs in one embeddings request.")
     # JSON schemas (response_format, tool parameters) and their patterns.
     schema_depth: int = Field(32, ge=1, description="Nesting depth of a JSON schema.")
     schema_nodes: int = Field(4096, ge=1, description="Subschemas, properties and enum values in a JSON schema.")

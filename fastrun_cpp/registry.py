@@ -88,6 +88,10 @@ class ModelConfig(StrictModel):
         None, description="Draft model for --spec-type draft: a GGUF path or a Hub repo (owner/name[:file.gguf]) "
         "with the same vocabulary."
     )
+    embeddings: bool = Field(False, description="Serve /v1/embeddings from this model too.")
+    embedding_pooling: Literal["mean", "cls", "last"] | None = Field(
+        None, description="How an input's token vectors become one embedding; unset: the GGUF's, else mean."
+    )
     chat_template_file: Path | None = None
     tool_parser: ToolParserName | None = None
     reasoning_parser: ReasoningParserName | None = None
@@ -166,7 +170,8 @@ def _looks_like_a_path(value: str) -> bool:
 # Settings that override a ModelConfig field of the same name when given.
 MODEL_OVERRIDES = ("slots", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
                    "max_queue", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
-                   "draft_model", "chat_template_file", "tool_parser", "reasoning_parser")
+                   "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
+                   "embedding_pooling")
 
 
 def model_from_settings(settings) -> ModelConfig:
@@ -177,6 +182,7 @@ def model_from_settings(settings) -> ModelConfig:
         common["gpu"] = GpuOptions(n_gpu_layers=settings.n_gpu_layers)
     source = settings.model
     if source == DEFAULT_MODEL_ID:
+        common.setdefault("embeddings", True)  # small enough to serve both out of the box
         return ModelConfig(id=settings.served_model_name or source, path=embedded_model_path(), **common)
     path = Path(source).expanduser()
     if path.is_file():

@@ -90,6 +90,8 @@ class Settings(BaseSettings):
         description="Directory of the disk prompt cache (shared safely by several servers).",
     )
     swa_full: bool | None = _model_field("swa_full")
+    embeddings: bool | None = _model_field("embeddings")
+    embedding_pooling: Literal["mean", "cls", "last"] | None = _model_field("embedding_pooling")
     deterministic: bool | None = _model_field("deterministic")
     max_queue: int | None = _model_field("max_queue")
     spec_type: Literal["none", "ngram", "draft"] | None = _model_field("spec_type")
@@ -119,6 +121,14 @@ class Settings(BaseSettings):
         default_factory=lambda: _data_home() / "fastrun-cpp" / "keys.sqlite3",
         description="SQLite database of API keys (see `fastrun-cpp keys`).",
     )
+    responses_db: Path | None = Field(
+        None, description="SQLite database of stored Responses API responses; unset: beside --keys-db."
+    )
+    responses_max: int = Field(10000, ge=0, description="Stored responses kept (the oldest go first); 0: none.")
+    responses_retention_s: float = Field(
+        30 * 86400, gt=0, description="How long a stored response is kept (and can be continued), seconds."
+    )
+    responses_max_mib: float = Field(8, gt=0, description="Largest stored response with its conversation, MiB.")
     keys_refresh_s: float = Field(2.0, gt=0, description="How often new and revoked keys are picked up, seconds.")
     auth: bool = Field(
         True,

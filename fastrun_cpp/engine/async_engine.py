@@ -165,7 +165,7 @@ class AsyncEngine:
         """Queue a request (raising CapacityError / PromptTooLongError / GrammarError before it
         is queued) and return the stream of its outputs."""
         grammar = await self._grammars.compile(request.grammar) if request.grammar is not None else None
-        if self._disk is not None:
+        if self._disk is not None and request.kind == "generate":
             await self._load_from_disk(request.prompt_tokens)
         collector = _OutputCollector()
         self._collectors[request.request_id] = collector

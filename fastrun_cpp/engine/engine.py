@@ -23,6 +23,7 @@ import numpy as np
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
+from fastrun_cpp.engine.embedding import Embedder, model_pooling
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_scale
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
@@ -77,6 +78,12 @@ class ChoicesError(EngineError, ValueError):
     """More choices asked for than the engine has slots."""
 
 
+@dataclass
+class _EmbedJob:
+    request: GenerationRequest
+    vectors: list[list[float]] = dataclasses.field(default_factory=list)
+
+
 class CapacityError(EngineError):
     """Every slot is busy and the wait queue is full."""
 
@@ -101,6 +108,8 @@ class EngineConfig:
     cache_type_k: str  # KV cache data types
     cache_type_v: str
     grammar_step_ms: float = 500.0  # a grammar taking longer for one token (128k vocabulary) ends its request
+    embeddings: bool = False  # serves embeddings too
+    embedding_pooling: str | None = None  # mean / cls / last; unset: the GGUF's, else mean
     speculation: SpeculationConfig = SpeculationConfig(kind="none")
 
 
@@ -198,6 +207,8 @@ class Engine:
         self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
         self._waiting: deque[tuple[GenerationRequest, CompiledGrammar | None]] = deque()
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
+        self._embedder: Embedder | None = None  # made at the first embedding request
+        self._embed_jobs: deque[_EmbedJob] = deque()
         self._clock = 0  # increases every admission; orders slots by recency
         self._clock_steps = 0  # increases every step; orders slots' turns to draft
         self._grammar_step_ms = config.grammar_step_ms * vocabulary_scale(model.n_vocab)
@@ -234,10 +245,25 @@ class Engine:
                 f"{self.config.ctx_size} tokens (prompt and answer together)"
             )
 
+    def check_embed_inputs(self, inputs: list[list[int]]) -> None:
+        if not self.config.embeddings:
+            raise EngineError("this model does not serve embeddings")
+        if not inputs:
+            raise PromptTooLongError("there is nothing to embed")
+        for index, tokens in enumerate(inputs):
+            if not tokens:
+                raise PromptTooLongError(f"input {index} is empty")
+            if len(tokens) > self.config.ctx_size:
+                raise PromptTooLongError(f"input {index} is {len(tokens)} tokens long, over the model's "
+                                         f"{self.config.ctx_size}-token context window")
+
     def add_request(self, request: GenerationRequest, grammar: CompiledGrammar | None = None) -> None:
         """Queue a request (with its grammar compiled, if it has one); raises CapacityError
         when slots and wait queue are all taken."""
-        self.check_prompt(len(request.prompt_tokens))
+        if request.kind == "embed":
+            self.check_embed_inputs(request.embed_inputs or [])
+        else:
+            self.check_prompt(len(request.prompt_tokens))
         if (grammar is None) != (request.grammar is None):
             raise ValueError("a request with a grammar needs it compiled")
         if request.n > self.config.slots:
@@ -287,6 +313,8 @@ class Engine:
                     self.disk_cache.store(list(slot.cache_tokens), state)
         if self._draft_runner is not None:
             self._draft_runner.close()
+        if self._embedder is not None:
+            self._embedder.close()
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
@@ -333,7 +361,7 @@ class Engine:
     def load(self) -> tuple[int, int]:
         """(busy slots, waiting requests), approximately."""
         busy = sum(1 for slot in self._slots if not slot.is_free)
-        return busy, len(self._waiting) + len(self._inbox)
+        return busy, len(self._waiting) + len(self._inbox) + len(self._embed_jobs)
 
     # ------------------------------------------------------------- scheduler thread only
 
@@ -351,6 +379,8 @@ class Engine:
                 if aborts:
                     self._unsent.extend(self._abort(aborts))
                 self._admit()
+                if self._embed_jobs:
+                    self._unsent.extend(self._embed_step())
                 if self._has_active():
                     outputs = self._step()  # flushes self._unsent before it decodes
                     self._unsent.extend(outputs)
@@ -363,7 +393,7 @@ class Engine:
         self._flush()
 
     def _has_work(self) -> bool:
-        return bool(self._waiting) or self._has_active()
+        return bool(self._waiting) or bool(self._embed_jobs) or self._has_active()
 
     def _has_active(self) -> bool:
         return any(not slot.is_free for slot in self._slots)
@@ -390,6 +420,9 @@ class Engine:
             request = item[0]
             outputs += [GenerationOutput(request.request_id, index=index, finish_reason=FinishReason.ABORTED)
                         for index in range(request.n)]
+        for job in [job for job in self._embed_jobs if job.request.request_id in whole]:
+            self._embed_jobs.remove(job)
+            outputs.append(GenerationOutput(job.request.request_id, finish_reason=FinishReason.ABORTED))
         for slot in self._slots:
             request = slot.request
             if request is not None and (request.request_id in whole or (request.request_id, slot.index) in aborts):
@@ -399,8 +432,14 @@ class Engine:
         return outputs
 
     def _admit(self) -> None:
-        # First come, first served: a request with n choices waits until n slots are free.
-        while self._waiting and sum(slot.is_free for slot in self._slots) >= self._waiting[0][0].n:
+        # First come, first served: a request with n choices waits until n slots are free;
+        # embeddings need no slot (they run in a context of their own, between steps).
+        while self._waiting:
+            if self._waiting[0][0].kind == "embed":
+                self._embed_jobs.append(_EmbedJob(self._waiting.popleft()[0]))
+                continue
+            if sum(slot.is_free for slot in self._slots) < self._waiting[0][0].n:
+                break
             request, grammar = self._waiting.popleft()
             try:
                 self._start(request, grammar)
@@ -411,6 +450,34 @@ class Engine:
                         self._release(slot)
                 self._unsent += [GenerationOutput(request.request_id, index=index, finish_reason=FinishReason.ERROR,
                                                   error=str(exc)) for index in range(request.n)]
+
+    def _embed_step(self) -> list[GenerationOutput]:
+        """Embed the oldest job's next inputs, up to one batch of tokens (at least one input),
+        so a long list of inputs takes turns with the decode steps of running answers."""
+        job = self._embed_jobs[0]
+        request = job.request
+        inputs = request.embed_inputs or []
+        budget = self.config.batch_size
+        try:
+            if self._embedder is None:
+                self._embedder = Embedder(
+                    self.model, pooling=model_pooling(self.model, self.config.embedding_pooling),
+                    max_tokens=self.config.ctx_size,
+                    threads=self.config.threads, flash_attn=_FLASH_ATTN[self.config.flash_attn],
+                    type_k=_CACHE_TYPES[self.config.cache_type_k], type_v=_CACHE_TYPES[self.config.cache_type_v])
+            while len(job.vectors) < len(inputs) and (budget > 0 or not job.vectors):
+                tokens = inputs[len(job.vectors)]
+                job.vectors.append(self._embedder.embed(tokens))
+                budget -= len(tokens)
+        except Exception as exc:  # this request fails alone
+            logger.exception("embedding request %s failed", request.request_id)
+            self._embed_jobs.popleft()
+            return [GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc))]
+        if len(job.vectors) < len(inputs):
+            return []
+        self._embed_jobs.popleft()
+        return [GenerationOutput(request.request_id, finish_reason=FinishReason.STOP,
+                                 prompt_tokens=sum(map(len, inputs)), embeddings=job.vectors)]
 
     def _start(self, request: GenerationRequest, grammar: CompiledGrammar | None) -> None:
         prompt = request.prompt_tokens
@@ -829,7 +896,9 @@ class Engine:
             del slot.cache_tokens[keep:]
         if logprobs is not None:
             logprobs = logprobs[: len(token_ids)]
-        output = slot.output(text=text, token_ids=token_ids, finish_reason=reason, logprobs=logprobs)
+        matched = slot.stop_matcher.matched if slot.stop_matcher is not None else None
+        output = slot.output(text=text, token_ids=token_ids, finish_reason=reason, logprobs=logprobs,
+                             stop_sequence=matched)
         self.stats.generated_tokens += slot.n_generated
         self._throughput.answer(slot.n_generated)
         self._release(slot)
@@ -859,6 +928,9 @@ class Engine:
             GenerationOutput(r.request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
             for r, _ in list(self._waiting) + self._inbox for index in range(r.n)
         ]
+        outputs += [GenerationOutput(job.request.request_id, finish_reason=FinishReason.ERROR, error=message)
+                    for job in self._embed_jobs]
         self._waiting.clear()
         self._inbox.clear()
+        self._embed_jobs.clear()
         return outputs + self._fail_active(message)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastrun_cpp.structured.spec import GrammarSpec
 from fastrun_cpp.engine.logprobs import TokenLogprob
@@ -38,6 +39,8 @@ class GenerationRequest:
     n: int = 1  # choices: each gets its own slot, after one evaluation of the prompt
     prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob and the N most likely
     speculative: bool = True  # may speculative decoding draft for it (when the engine drafts)
+    kind: Literal["generate", "embed"] = "generate"
+    embed_inputs: list[list[int]] | None = None  # kind "embed": the token lists to embed, in order
 
 
 @dataclass
@@ -49,6 +52,7 @@ class GenerationOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0  # total so far, not a delta
@@ -58,6 +62,7 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first token (echo)
     drafted_tokens: int = 0  # speculative drafts verified for this choice so far
     accepted_tokens: int = 0  # of which accepted
+    embeddings: list[list[float]] | None = None  # kind "embed": one vector per input, when finished
 
     @property
     def finished(self) -> bool:
@@ -71,6 +76,7 @@ class GenerationOutput:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.extend(later.logprobs)
         self.finish_reason = later.finish_reason
+        self.stop_sequence = later.stop_sequence
         self.prompt_tokens = later.prompt_tokens
         self.cached_tokens = later.cached_tokens
         self.completion_tokens = later.completion_tokens

@@ -42,6 +42,7 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [stop for stop in stops if stop]
         self._pending = ""
+        self.matched: str | None = None  # the stop string that ended the text, once found
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was found)."""
@@ -51,6 +52,7 @@ class StopMatcher:
         hit = find_first(pending, self._stops)
         if hit is not None:
             self._pending = ""
+            self.matched = hit[1]
             return pending[: hit[0]], True
         cut = len(pending) - partial_suffix(pending, self._stops)
         self._pending = pending[cut:]

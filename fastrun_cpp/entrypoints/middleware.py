@@ -20,7 +20,8 @@ from fastrun_cpp.entrypoints.request_context import RequestRecord, current_recor
 access_log = logging.getLogger("fastrun_cpp.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"})
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                     "/v1/messages/count_tokens", "/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics"})
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -122,7 +123,7 @@ class BodyLimitMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_size:
-            await APIError(413, self._message).response()(scope, receive, send)
+            await APIError(413, self._message).response(scope.get("path", ""))(scope, receive, send)
             return
         received = 0
         complete = False
@@ -168,12 +169,16 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not (path == self.prefix or path.startswith(self.prefix + "/")):
             await self.app(scope, receive, send)
             return
+        authorization = _header(scope, b"authorization")
+        api_key = _header(scope, b"x-api-key")  # how Anthropic's SDKs send a key
+        if authorization is None and api_key is not None:
+            authorization = f"Bearer {api_key}"
         try:
-            key = self.authenticator.authenticate(_header(scope, b"authorization"), host=_header(scope, b"host"))
+            key = self.authenticator.authenticate(authorization, host=_header(scope, b"host"))
         except AuthError as exc:
             api_error = APIError(exc.status_code, exc.message, error_type_for(exc.status_code),
                                  retry_after=5 if exc.status_code == 503 else None)
-            response = api_error.response()
+            response = api_error.response(path)
             if exc.status_code == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, send)

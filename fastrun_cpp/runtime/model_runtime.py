@@ -39,6 +39,7 @@ class ModelInfo:
     slots: int  # over all replicas
     replicas: int
     deterministic: bool  # batch-invariant kernels are in use
+    embedding_dimensions: int | None = None  # serves /v1/embeddings with vectors this long; None: does not
 
 
 class ModelRuntime:
@@ -127,6 +128,8 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
         grammar_step_ms=(limits or Limits()).grammar_step_ms,
+        embeddings=config.embeddings,
+        embedding_pooling=config.embedding_pooling,
         speculation=SpeculationConfig(kind=config.spec_type, draft_max=config.spec_draft_max,
                                       draft_min=min(config.spec_draft_min, config.spec_draft_max)),
     )
@@ -204,7 +207,7 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     info = ModelInfo(
         id=config.id, path=str(path), description=model.description, n_vocab=model.n_vocab,
         n_ctx_train=model.n_ctx_train, max_context=settings.ctx_size, slots=pool.slots, replicas=pool.replicas,
-        deterministic=deterministic,
+        deterministic=deterministic, embedding_dimensions=model.n_embd if config.embeddings else None,
     )
     logger.info(
         "serving %s (%s): %d x %d slots x %d-token context, batch %d, %d threads, KV %s/%s, %s; "

@@ -464,7 +464,8 @@ async def load_ray_runtime(config: ModelConfig, *, threads: int, faults_spec: st
     client = RayEngineClient(app_name, handle, board, replicas, config.slots, config.id)
     info = ModelInfo(id=config.id, path=str(path), description=vocabulary.description, n_vocab=vocabulary.n_vocab,
                      n_ctx_train=vocabulary.n_ctx_train, max_context=config.ctx_size, slots=client.slots,
-                     replicas=replicas, deterministic=is_deterministic(config))
+                     replicas=replicas, deterministic=is_deterministic(config),
+                     embedding_dimensions=vocabulary.n_embd if config.embeddings else None)
     logger.info("serving %s on Ray Serve: %d replicas x %d slots, %d threads each", config.id, replicas,
                 config.slots, per_replica_threads)
     return ModelRuntime(config=config, info=info, tokenizer=vocabulary, engine=client, chat_template=chat_template,

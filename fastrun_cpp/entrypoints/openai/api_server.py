@@ -14,7 +14,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette import EventSourceResponse
 
 from fastrun_cpp import __version__
 from fastrun_cpp.auth import KeyStore
@@ -35,10 +34,17 @@ from fastrun_cpp.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelList,
 )
+from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
+from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
+from fastrun_cpp.entrypoints.openai.embeddings.router import router as embeddings_router
+from fastrun_cpp.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from fastrun_cpp.entrypoints.openai.responses.router import router as responses_router
+from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
+from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore
 from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
-from fastrun_cpp.entrypoints.openai.utils import ClientDisconnected, cancel_on_disconnect
+from fastrun_cpp.entrypoints.openai.utils import request_body_schema, serve_route
 from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.runtime import load_local_runtime
 from fastrun_cpp.settings import Settings
@@ -65,48 +71,24 @@ def serving_models(request: Request) -> OpenAIServingModels:
     return request.app.state.serving_models
 
 
-def respond(request: Request, result) -> Response:
-    """A finished result as JSON, or a stream as server-sent events (`data: ...` per chunk)."""
-    if isinstance(result, AsyncIterator):
-        # sse-starlette cancels the iterator when the client disconnects, which aborts the
-        # generation and frees its slot; on SIGTERM a stream gets the grace period to finish.
-        return EventSourceResponse(
-            result, sep="\n", ping=15, shutdown_grace_period=request.app.state.settings.shutdown_grace_s
-        )
-    return JSONResponse(result.model_dump(mode="json"))
-
-
-def _body(model) -> dict:
-    """The request body's schema for the OpenAPI document (bodies are parsed by the handlers,
-    off the event loop)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
 @router.post("/chat/completions", response_model=ChatCompletion, responses=_ERRORS,
-             openapi_extra=_body(ChatCompletionRequest))
+             openapi_extra=request_body_schema(ChatCompletionRequest))
 async def create_chat_completion(
     raw_request: Request,
     handler: Annotated[OpenAIServingChat, Depends(serving_chat)],
 ) -> Response:
     request = await handler.parse(raw_request, ChatCompletionRequest)
-    try:
-        result = await cancel_on_disconnect(raw_request, handler.create_chat_completion(request))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return respond(raw_request, result)
+    return await serve_route(raw_request, handler.create_chat_completion(request))
 
 
-@router.post("/completions", response_model=Completion, responses=_ERRORS, openapi_extra=_body(CompletionRequest))
+@router.post("/completions", response_model=Completion, responses=_ERRORS,
+             openapi_extra=request_body_schema(CompletionRequest))
 async def create_completion(
     raw_request: Request,
     handler: Annotated[OpenAIServingCompletion, Depends(serving_completion)],
 ) -> Response:
     request = await handler.parse(raw_request, CompletionRequest)
-    try:
-        result = await cancel_on_disconnect(raw_request, handler.create_completion(request))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return respond(raw_request, result)
+    return await serve_route(raw_request, handler.create_completion(request))
 
 
 @router.get("/models", response_model=ModelList, responses=_ERRORS)
@@ -161,6 +143,12 @@ def authenticator_for(settings: Settings) -> Authenticator:
     )
 
 
+def response_store(settings: Settings) -> ResponseStore:
+    path = settings.responses_db or settings.keys_db.with_name(settings.keys_db.stem + ".responses.sqlite3")
+    return ResponseStore(path, max_items=settings.responses_max, retention_s=settings.responses_retention_s,
+                         max_bytes=int(settings.responses_max_mib * 2**20))
+
+
 def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:
     authenticator = authenticator or authenticator_for(settings)
     registry = registry_from_settings(settings)
@@ -206,9 +194,13 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app = FastAPI(title="fastrun-cpp", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     app.state.serving_models = models
-    app.state.serving_chat = OpenAIServingChat(models, **serving_options)
+    app.state.serving_chat = chat = OpenAIServingChat(models, **serving_options)
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
-    app.include_router(router)
+    app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)
+    app.state.serving_responses = OpenAIServingResponses(chat, response_store(settings))
+    app.state.serving_messages = AnthropicServingMessages(chat)
+    for api in (router, responses_router, messages_router, embeddings_router):
+        app.include_router(api)
     app.include_router(health_router)
     if metrics is not None:
 

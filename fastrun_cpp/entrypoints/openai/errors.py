@@ -38,9 +38,31 @@ class APIError(Exception):
     def json(self) -> str:
         return json.dumps(self.body())
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the API at `path` shapes it (Anthropic's on /v1/messages, else the spec's)."""
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+        return error_response(path, self.status_code, self.message, self.error_type, headers)
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status_code: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(path: str, status_code: int, message: str, error_type: ErrorType,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        body = anthropic_error_body(status_code, message)
+    else:
+        body = error_body(status_code, message, error_type)
+    return JSONResponse(body, status_code=status_code, headers=headers)
 
 
 def error_body(status_code: int, message: str, error_type: ErrorType) -> dict[str, Any]:
@@ -115,26 +137,27 @@ def validation_message(exc: RequestValidationError) -> str:
     return f"{field}: {message}"
 
 
-async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(error_body(400, validation_message(exc), "invalid_request_error"), status_code=400)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(request.url.path, 400, validation_message(exc), "invalid_request_error")
 
 
-async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response(request.url.path)
 
 
-async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     status = exc.status_code
     if status == 404:
-        message = "no such route; the API is served under /v1 (chat/completions, completions, models)"
+        message = ("no such route; the API is served under /v1 (chat/completions, completions, responses, "
+                   "messages, embeddings, models)")
     else:
         message = str(exc.detail)
-    return JSONResponse(error_body(status, message, error_type_for(status)), status_code=status, headers=exc.headers)
+    return error_response(request.url.path, status, message, error_type_for(status), exc.headers)
 
 
-async def _unexpected_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=exc)
-    return JSONResponse(error_body(500, "internal server error", "upstream_error"), status_code=500)
+    return error_response(request.url.path, 500, "internal server error", "upstream_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -8,58 +8,17 @@ extras keep working; every named field is validated to its range.
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
-    model_validator,
+from pydantic import Field, field_validator, model_validator
+
+from fastrun_cpp.entrypoints.openai.protocol_base import (  # noqa: F401 (re-exported)
+    RequestModel,
+    ResponseModel,
+    random_id,
+    unix_time,
 )
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def unix_time() -> int:
-    return int(time.time())
-
-
-class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    def unknown_fields(self) -> list[str]:
-        """Names of fields sent that no model here defines, at any depth (for the debug log)."""
-        names = [f"{name}" for name in (self.model_extra or {})]
-        for name in type(self).model_fields:
-            value = getattr(self, name)
-            for item in value if isinstance(value, list) else [value]:
-                if isinstance(item, RequestModel):
-                    names += [f"{name}.{extra}" for extra in item.unknown_fields()]
-        return names
-
-
-class ResponseModel(BaseModel):
-    """Serializes every field, null included, except those named in `omit_if_none`
-    (OpenAI leaves those keys out rather than sending null)."""
-
-    model_config = ConfigDict(extra="forbid")
-    omit_if_none: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        for name in self.omit_if_none:
-            if data.get(name, 0) is None:
-                del data[name]
-        return data
-
+from fastrun_cpp.entrypoints.openai.sampling_fields import SamplingFields
 
 # ------------------------------------------------------------------------ shared pieces
 
@@ -206,7 +165,7 @@ class ChatMessage(RequestModel):
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]  # token id (as JSON keys are) -> bias
 
 
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(SamplingFields):
     model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     stream: bool = False
@@ -214,15 +173,7 @@ class ChatCompletionRequest(RequestModel):
     max_tokens: Annotated[int, Field(ge=1, le=16384)] | None = None
     # Newer OpenAI SDKs send this instead of max_tokens; same meaning.
     max_completion_tokens: Annotated[int, Field(ge=1, le=16384)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=1000)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(ge=0, le=2)] | None = None
     stop: StopSequences | None = None
-    seed: Annotated[int, Field(ge=0, le=2147483647)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: LogitBias | None = None
@@ -261,6 +212,7 @@ class ChatCompletionChoice(ResponseModel):
     message: ChatResponseMessage
     finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: ChatChoiceLogprobs | None = None
+    stop_sequence: str | None = Field(None, exclude=True)  # which stop string ended it (for /v1/messages)
 
 
 class ChatCompletion(ResponseModel):
@@ -301,6 +253,7 @@ class ChatCompletionChunkChoice(ResponseModel):
     delta: ChatDelta
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChatChoiceLogprobs | None = None
+    stop_sequence: str | None = Field(None, exclude=True)  # which stop string ended it (for /v1/messages)
 
 
 class ChatCompletionChunk(ResponseModel):
@@ -315,22 +268,14 @@ class ChatCompletionChunk(ResponseModel):
 
 # ------------------------------------------------------------------------ completions
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(SamplingFields):
     model: str
     prompt: str | list[str]
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1, le=16384)] = 16
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=1000)] | None = None
-    # Not in the spec's completions page, but OpenAI's legacy API and chat accept them.
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(ge=0, le=2)] | None = None
     stop: StopSequences | None = None
-    seed: int | None = None
+    seed: int | None = None  # the spec's completions seed has no bounds (taken modulo 2**32 - 1)
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: LogitBias | None = None
     n: Annotated[int, Field(ge=1, le=8)] | None = None

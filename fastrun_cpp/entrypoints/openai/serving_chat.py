@@ -121,6 +121,26 @@ class _Plan:
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[str]:
+        result = await self.chat(request)
+        if isinstance(result, ChatCompletion):
+            return result
+        return self._server_sent_events(result)
+
+    @staticmethod
+    async def _server_sent_events(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
+        """Chat chunks as `data:` payloads, an error as one event in the spec's shape, then [DONE]."""
+        try:
+            async for chunk in chunks:
+                yield chunk.model_dump_json()
+        except APIError as exc:
+            yield stream_error_event(exc)
+            return
+        yield "[DONE]"
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
+        """The answer to a chat request, or (streaming) its chunks, which raise APIError if
+        the engine fails mid-way. The other generating endpoints (Responses, Messages) are
+        translations onto this."""
         served = self.served_model(request.model)
         runtime = served.runtime
         tool_parser = self._tool_parser(runtime, request)
@@ -156,6 +176,13 @@ class OpenAIServingChat(OpenAIServing):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self._stream(served, request, generation, stream, plan, include_usage)
         return await self._complete(served, request, generation, stream, plan)
+
+    async def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
+        """The length of the prompt `request` renders to, tools and reasoning switches included."""
+        served = self.served_model(request.model)
+        tool_parser = self._tool_parser(served.runtime, request)
+        _, tokens = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        return len(tokens)
 
     # ------------------------------------------------------------------ prompt
 
@@ -341,23 +368,24 @@ class OpenAIServingChat(OpenAIServing):
                 message=ChatResponseMessage(content=content, reasoning=answer.reasoning, tool_calls=tool_calls or None),
                 finish_reason=self._finish_reason(result.finish_reason, bool(tool_calls), result.index in stopped),
                 logprobs=logprobs,
+                stop_sequence=result.stop_sequence,
             ))
         return ChatCompletion(id=generation.request_id, created=unix_time(), model=request.model, choices=choices,
                               usage=usage_of(results))
 
     async def _stream(self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
-                      stream: EngineStream, plan: _Plan, include_usage: bool) -> AsyncIterator[str]:
+                      stream: EngineStream, plan: _Plan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
         created = unix_time()
         token_bytes = served.runtime.tokenizer.token_bytes
         parsers = [plan.parser() for _ in range(generation.n)]
         stopped: set[int] = set()
         finals: dict[int, GenerationOutput] = {}
 
-        def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
-            choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-            return ChatCompletionChunk(
-                id=generation.request_id, created=created, model=request.model, choices=[choice]
-            ).model_dump_json()
+        def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None,
+                  stop: str | None = None) -> ChatCompletionChunk:
+            choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs,
+                                               stop_sequence=stop)
+            return ChatCompletionChunk(id=generation.request_id, created=created, model=request.model, choices=[choice])
 
         def delta_of(parser: ChatOutputParser, text: str, *, final: bool = False) -> ChatDelta | None:
             parsed = parser.feed(text, final=final)
@@ -371,7 +399,7 @@ class OpenAIServingChat(OpenAIServing):
             return ChatDelta(content=parsed.content or None, reasoning=parsed.reasoning or None,
                              tool_calls=calls or None)
 
-        def finish(index: int, output: GenerationOutput) -> list[str]:
+        def finish(index: int, output: GenerationOutput) -> list[ChatCompletionChunk]:
             parser = parsers[index]
             events = []
             if index not in stopped:
@@ -381,39 +409,34 @@ class OpenAIServingChat(OpenAIServing):
             answer = parser.result()
             self._check_after(plan, answer.content, answer.tool_calls)
             reason = self._finish_reason(output.finish_reason, bool(answer.tool_calls), index in stopped)
-            events.append(chunk(index, ChatDelta(), reason))
+            events.append(chunk(index, ChatDelta(), reason, stop=output.stop_sequence))
             return events
 
         for index in range(generation.n):
             yield chunk(index, ChatDelta(role="assistant", content=""))
-        try:
-            async for output in self.outputs(served, stream):
-                index = output.index
-                if output.finished:
-                    finals[index] = output
-                if index in stopped:
-                    continue
-                delta = delta_of(parsers[index], output.text)
-                if output.logprobs:
-                    yield chunk(index, delta or ChatDelta(content=""), logprobs=chat_logprobs(token_bytes, output.logprobs))
-                elif delta is not None:
-                    yield chunk(index, delta)
-                if parsers[index].stop_requested and not output.finished:
-                    stopped.add(index)
-                    stream.stop_choice(index)
-                    logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
-                                generation.request_id, index)
-                    for event in finish(index, output):
-                        yield event
-                elif output.finished:
-                    for event in finish(index, output):
-                        yield event
-        except APIError as exc:
-            yield stream_error_event(exc)
-            return
+        async for output in self.outputs(served, stream):
+            index = output.index
+            if output.finished:
+                finals[index] = output
+            if index in stopped:
+                continue
+            delta = delta_of(parsers[index], output.text)
+            if output.logprobs:
+                yield chunk(index, delta or ChatDelta(content=""), logprobs=chat_logprobs(token_bytes, output.logprobs))
+            elif delta is not None:
+                yield chunk(index, delta)
+            if parsers[index].stop_requested and not output.finished:
+                stopped.add(index)
+                stream.stop_choice(index)
+                logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
+                            generation.request_id, index)
+                for event in finish(index, output):
+                    yield event
+            elif output.finished:
+                for event in finish(index, output):
+                    yield event
         if include_usage:
             yield ChatCompletionChunk(
                 id=generation.request_id, created=created, model=request.model, choices=[],
                 usage=usage_of([finals[i] for i in sorted(finals)]),
-            ).model_dump_json()
-        yield "[DONE]"
+            )

@@ -86,15 +86,21 @@ def _check_shape(body: dict[str, Any], limits: Limits) -> None:
         if isinstance(items, (list, dict)) and len(items) > limit:
             raise LimitExceeded(name, f"{what} has {len(items)} entries, over {limit}")
 
-    messages = body.get("messages")
-    at_most("messages", messages, limits.messages, "messages")
-    for index, message in enumerate(messages if isinstance(messages, list) else ()):
-        if isinstance(message, dict):
-            at_most("content_parts", message.get("content"), limits.content_parts, f"messages[{index}].content")
+    inputs = body.get("input")
+    if isinstance(inputs, list) and inputs and not isinstance(inputs[0], dict):  # embeddings
+        at_most("embedding_inputs", inputs, limits.embedding_inputs, "input")
+    for field in ("messages", "input"):  # chat and Messages; Responses
+        messages = body.get(field)
+        at_most("messages", messages, limits.messages, field)
+        for index, message in enumerate(messages if isinstance(messages, list) else ()):
+            if isinstance(message, dict):
+                at_most("content_parts", message.get("content"), limits.content_parts, f"{field}[{index}].content")
+    at_most("content_parts", body.get("system"), limits.content_parts, "system")
     at_most("tools", body.get("tools"), limits.tools, "tools")
     at_most("prompts", body.get("prompt"), limits.prompts, "prompt")
     at_most("logit_bias", body.get("logit_bias"), limits.logit_bias, "logit_bias")
-    stop = body.get("stop")
+    stop = body.get("stop", body.get("stop_sequences"))
+    at_most("stop", stop, limits.stop_sequences, "stop")
     for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
         if isinstance(text, str) and len(text) > limits.stop_length:
             raise LimitExceeded("stop_length", f"a stop string is {len(text)} characters, over {limits.stop_length}")
@@ -357,7 +363,8 @@ class ChoiceCollector:
         last = self.last[index]
         return GenerationOutput(
             request_id=last.request_id, index=index, text="".join(self._texts[index]),
-            token_ids=self._tokens[index], finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+            token_ids=self._tokens[index], finish_reason=last.finish_reason, stop_sequence=last.stop_sequence,
+            prompt_tokens=last.prompt_tokens,
             cached_tokens=last.cached_tokens, completion_tokens=last.completion_tokens,
             logprobs=self._logprobs.get(index), prompt_logprobs=self._prompt_logprobs.get(index),
             drafted_tokens=last.drafted_tokens, accepted_tokens=last.accepted_tokens,

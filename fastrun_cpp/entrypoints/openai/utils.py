@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
 from starlette.requests import Request
+from starlette.responses import Response
 
 T = TypeVar("T")
 
@@ -38,6 +42,35 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     raise ClientDisconnected()
+
+
+def request_body_schema(model: type[BaseModel]) -> dict:
+    """The request body's schema for the OpenAPI document (bodies are parsed by the handlers,
+    off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def respond(request: Request, result: Any) -> Response:
+    """A finished result as JSON, or a stream as server-sent events."""
+    if isinstance(result, AsyncIterator):
+        # sse-starlette cancels the iterator when the client disconnects, which aborts the
+        # generation and frees its slot; on SIGTERM a stream gets the grace period to finish.
+        return EventSourceResponse(
+            result, sep="\n", ping=15, shutdown_grace_period=request.app.state.settings.shutdown_grace_s
+        )
+    if isinstance(result, BaseModel):
+        result = result.model_dump(mode="json")
+    return JSONResponse(result)
+
+
+async def serve_route(request: Request, work: Awaitable[Any]) -> Response:
+    """What every generating route does with its handler's work: run it, abort it if the client
+    leaves first (499), and answer with JSON or a stream."""
+    try:
+        result = await cancel_on_disconnect(request, work)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return respond(request, result)
 
 
 async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:

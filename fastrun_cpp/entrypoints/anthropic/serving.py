@@ -1,0 +1,265 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, translated onto
+chat completions (the same prompt rendering, grammars, tool and reasoning parsers, prefix
+cache and limits)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from sse_starlette import ServerSentEvent
+
+from fastrun_cpp.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    ResponseContent,
+    TextBlock,
+    TextContent,
+    ThinkingContent,
+    TokenCount,
+    ToolResultBlock,
+    ToolUseBlock,
+    ToolUseContent,
+    Usage,
+)
+from fastrun_cpp.entrypoints.openai.errors import APIError, anthropic_error_body, bad_request
+from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
+from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastrun_cpp.entrypoints.request_context import current_record
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_SEQUENCES = 4  # as chat completions' stop
+
+
+def _effort(budget_tokens: int | None) -> str:
+    if budget_tokens is not None and budget_tokens < 4096:
+        return "low"
+    if budget_tokens is not None and budget_tokens >= 16384:
+        return "high"
+    return "medium"
+
+
+def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
+    """Messages as chat messages: tool results become tool messages (before the turn's text),
+    tool uses the assistant's tool calls; past thinking is left out, as templates drop it."""
+    messages: list[dict[str, Any]] = []
+    if request.system:
+        system = request.system if isinstance(request.system, str) else "\n".join(b.text for b in request.system)
+        messages.append({"role": "system", "content": system})
+    for message in request.messages:
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts = [block.text for block in message.content if isinstance(block, TextBlock)]
+        if message.role == "assistant":
+            calls = [{"id": block.id, "type": "function",
+                      "function": {"name": block.name, "arguments": json.dumps(block.input)}}
+                     for block in message.content if isinstance(block, ToolUseBlock)]
+            item: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if calls:
+                item["tool_calls"] = calls
+            if item["content"] is not None or calls:
+                messages.append(item)
+            continue
+        for block in message.content:
+            if isinstance(block, ToolResultBlock):
+                text = block.text()
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                 "content": f"Error: {text}" if block.is_error else text})
+        if texts:
+            messages.append({"role": "user", "content": "\n".join(texts)})
+    return messages
+
+
+def chat_request(request: CountTokensRequest, *, stream: bool = False) -> ChatCompletionRequest:
+    data: dict[str, Any] = {"model": request.model, "messages": chat_messages(request), "stream": stream}
+    if stream:
+        data["stream_options"] = {"include_usage": True}
+    if isinstance(request, MessagesRequest):
+        data["max_tokens"] = request.max_tokens
+        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty", "seed"):
+            value = getattr(request, name)
+            if value is not None:
+                data[name] = value
+        if request.stop_sequences:
+            if len(request.stop_sequences) > MAX_STOP_SEQUENCES:
+                raise bad_request(f"stop_sequences: at most {MAX_STOP_SEQUENCES} are supported, "
+                                  f"not {len(request.stop_sequences)}")
+            data["stop"] = request.stop_sequences
+    if request.tools:
+        data["tools"] = [{"type": "function", "function": {
+            "name": tool.name, "description": tool.description, "parameters": tool.input_schema}}
+            for tool in request.tools]
+    choice = request.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise bad_request("tool_choice: a choice of type 'tool' needs the tool's name")
+            data["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            data["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            data["parallel_tool_calls"] = False
+    if request.thinking is not None:
+        data["reasoning_effort"] = ("none" if request.thinking.type == "disabled"
+                                    else _effort(request.thinking.budget_tokens))
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValueError as exc:
+        raise bad_request(f"messages: {exc}") from None
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's tool_use carries (a call cut short by
+    max_tokens has none that parse: it gets an empty object)."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence else "end_turn"
+
+
+def usage_of(usage: ChatUsage | None) -> Usage:
+    """Anthropic counts cache reads apart from input_tokens: input = uncached + cache reads."""
+    if usage is None:
+        return Usage(input_tokens=0, output_tokens=0)
+    cached = usage.prompt_tokens_details.cached_tokens
+    return Usage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens,
+                 cache_read_input_tokens=cached)
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+class AnthropicServingMessages:
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    async def count_tokens(self, request: CountTokensRequest) -> TokenCount:
+        return TokenCount(input_tokens=await self.chat.count_prompt_tokens(chat_request(request)))
+
+    async def create(self, request: MessagesRequest) -> MessageResponse | AsyncIterator[ServerSentEvent]:
+        result = await self.chat.chat(chat_request(request, stream=request.stream))
+        if isinstance(result, ChatCompletion):
+            return self._message(request, result)
+        return self._stream(request, result)
+
+    @staticmethod
+    def _message(request: MessagesRequest, result: ChatCompletion) -> MessageResponse:
+        choice = result.choices[0]
+        message = choice.message
+        content: list[ResponseContent] = []
+        if message.reasoning:
+            content.append(ThinkingContent(thinking=message.reasoning))
+        if message.content:
+            content.append(TextContent(text=message.content))
+        for call in message.tool_calls or []:
+            content.append(ToolUseContent(id=call.id, name=call.function.name, input=tool_input(call.function.arguments)))
+        return MessageResponse(
+            id=message_id(), model=request.model, content=content,
+            stop_reason=stop_reason(choice.finish_reason, choice.stop_sequence),
+            stop_sequence=choice.stop_sequence, usage=usage_of(result.usage),
+        )
+
+    async def _stream(self, request: MessagesRequest,
+                      chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[ServerSentEvent]:
+        events = _MessageEvents()
+        start = MessageResponse(id=message_id(), model=request.model, content=[], stop_reason=None,
+                                usage=Usage(input_tokens=0, output_tokens=0))
+        yield events.event("message_start", message=start.model_dump(mode="json"))
+        yield events.event("ping")
+        finish_reason = stop_sequence = None
+        usage = None
+        try:
+            async for chunk in chunks:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    delta = choice.delta
+                    if delta.reasoning:
+                        for event in events.delta("thinking", delta.reasoning):
+                            yield event
+                    if delta.content:
+                        for event in events.delta("text", delta.content):
+                            yield event
+                    for call in delta.tool_calls or []:
+                        if call.id is not None:
+                            for event in events.start_tool(call.id, call.function.name or ""):
+                                yield event
+                        if call.function.arguments:
+                            for event in events.delta("tool_use", call.function.arguments):
+                                yield event
+                    if choice.finish_reason is not None:
+                        finish_reason, stop_sequence = choice.finish_reason, choice.stop_sequence
+        except APIError as exc:
+            record = current_record()
+            if record is not None:
+                record.error_type = exc.error_type
+            yield ServerSentEvent(data=json.dumps(anthropic_error_body(exc.status_code, exc.message)), event="error")
+            return
+        for event in events.stop_block():
+            yield event
+        yield events.event("message_delta",
+                           delta={"stop_reason": stop_reason(finish_reason, stop_sequence),
+                                  "stop_sequence": stop_sequence},
+                           usage=usage_of(usage).model_dump(mode="json"))
+        yield events.event("message_stop")
+
+
+class _MessageEvents:
+    """Anthropic's stream events: a content block opens with its first delta and stops when a
+    block of another kind (or another tool call) starts, or the message ends."""
+
+    _DELTAS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking"),
+               "tool_use": ("input_json_delta", "partial_json")}
+
+    def __init__(self) -> None:
+        self._index = -1
+        self._open: str | None = None
+
+    @staticmethod
+    def event(kind: str, **fields: Any) -> ServerSentEvent:
+        return ServerSentEvent(data=json.dumps({"type": kind, **fields}, separators=(",", ":")), event=kind)
+
+    def stop_block(self) -> list[ServerSentEvent]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [self.event("content_block_stop", index=self._index)]
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[ServerSentEvent]:
+        events = self.stop_block()
+        self._index += 1
+        self._open = kind
+        events.append(self.event("content_block_start", index=self._index, content_block=block))
+        return events
+
+    def start_tool(self, call_id: str, name: str) -> list[ServerSentEvent]:
+        return self._start("tool_use", {"type": "tool_use", "id": call_id, "name": name, "input": {}})
+
+    def delta(self, kind: str, text: str) -> list[ServerSentEvent]:
+        events = []
+        if self._open != kind:
+            if kind == "tool_use":
+                return []  # arguments with no call open: nothing to attach them to
+            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                         "signature": ""}
+            events += self._start(kind, block)
+        delta_type, field = self._DELTAS[kind]
+        events.append(self.event("content_block_delta", index=self._index, delta={"type": delta_type, field: text}))
+        return events

@@ -1,0 +1,191 @@
+"""OpenAI's Responses API with the official SDK: text, streaming events, function tools,
+text.format, stored responses and previous_response_id (prefix cache hits across turns)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server import DEFAULT_MODEL, run_server
+from tests.test_keys import create_key
+
+WEATHER_TOOL = {
+    "type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_text_answer(client):
+    response = client.responses.create(model=DEFAULT_MODEL, input="Say hello to the world.", max_output_tokens=24,
+                                       temperature=0, instructions="You are brief.")
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status in ("completed", "incomplete")
+    messages = [item for item in response.output if item.type == "message"]
+    assert len(messages) == 1 and messages[0].content[0].type == "output_text"
+    assert response.output_text == messages[0].content[0].text and response.output_text.strip()
+    usage = response.usage
+    assert usage.input_tokens > 0 and 0 < usage.output_tokens <= 24
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert response.instructions == "You are brief."
+
+
+def test_max_output_tokens_makes_it_incomplete(client):
+    response = client.responses.create(model=DEFAULT_MODEL, input="Tell me a long story about a dragon.",
+                                       max_output_tokens=3, temperature=0)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3
+
+
+def test_stream_events_add_up_to_the_answer(client):
+    stream = client.responses.create(model=DEFAULT_MODEL, input="Write one sentence about cats.",
+                                     max_output_tokens=40, temperature=0, stream=True)
+    events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added") \
+        < kinds.index("response.output_text.delta") < kinds.index("response.output_text.done") \
+        < kinds.index("response.content_part.done") < kinds.index("response.output_item.done")
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    done = next(event for event in events if event.type == "response.output_text.done")
+    final = events[-1].response
+    assert deltas == done.text == final.output_text and deltas.strip()
+    assert final.usage.output_tokens > 0
+    # Non-streamed, the same request gives the same text.
+    whole = client.responses.create(model=DEFAULT_MODEL, input="Write one sentence about cats.",
+                                    max_output_tokens=40, temperature=0)
+    assert whole.output_text == deltas
+
+
+def test_required_function_tool(client):
+    response = client.responses.create(model=DEFAULT_MODEL, input="What is the weather in Oslo?",
+                                       tools=[WEATHER_TOOL], tool_choice="required", temperature=0,
+                                       max_output_tokens=200)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls, response.output
+    assert all(call.name == "get_weather" and call.call_id for call in calls)
+    assert isinstance(json.loads(calls[0].arguments).get("city"), str)
+
+
+def test_streamed_function_call_with_sdk_helper(client):
+    with client.responses.stream(model=DEFAULT_MODEL, input="What is the weather in Paris?", tools=[WEATHER_TOOL],
+                                 tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                 max_output_tokens=200) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert deltas == done[0].arguments == calls[0].arguments
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)
+
+
+def test_text_format_json_schema(client):
+    response = client.responses.create(
+        model=DEFAULT_MODEL, input="Describe a person as JSON.", temperature=0, max_output_tokens=100,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    assert response.text.format.type == "json_schema"
+
+
+def test_previous_response_id_continues_and_hits_the_cache(client):
+    first = client.responses.create(model=DEFAULT_MODEL, input="My name is Ada. Please remember it.",
+                                    max_output_tokens=30, temperature=0)
+    second = client.responses.create(model=DEFAULT_MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=30, temperature=0)
+    third = client.responses.create(model=DEFAULT_MODEL, input="Say it once more.", previous_response_id=second.id,
+                                    max_output_tokens=30, temperature=0)
+    turns = [first, second, third]
+    assert second.previous_response_id == first.id
+    # Each turn's prompt holds the earlier ones whole: they come from the cache.
+    for earlier, later in zip(turns, turns[1:]):
+        assert later.usage.input_tokens > earlier.usage.input_tokens + earlier.usage.output_tokens - 2
+        assert later.usage.input_tokens_details.cached_tokens >= earlier.usage.input_tokens - 1
+    # The continued conversation is the same as sending the whole history by hand.
+    by_hand = client.responses.create(model=DEFAULT_MODEL, max_output_tokens=30, temperature=0, store=False, input=[
+        {"role": "user", "content": "My name is Ada. Please remember it."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ])
+    assert by_hand.output_text == second.output_text
+
+
+def test_function_call_output_continues_a_tool_turn(client):
+    first = client.responses.create(model=DEFAULT_MODEL, input="What is the weather in Oslo?", tools=[WEATHER_TOOL],
+                                    tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                    max_output_tokens=200)
+    call = next(item for item in first.output if item.type == "function_call")
+    second = client.responses.create(model=DEFAULT_MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL],
+                                     temperature=0, max_output_tokens=30, input=[
+                                         {"type": "function_call_output", "call_id": call.call_id,
+                                          "output": "Sunny, 21 degrees"}])
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert second.output
+
+
+def test_retrieve_and_delete(client, http):
+    response = client.responses.create(model=DEFAULT_MODEL, input="Hi", max_output_tokens=5)
+    again = client.responses.retrieve(response.id)
+    assert again.id == response.id and again.output_text == response.output_text
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    missing = http.get("/responses/resp_nope")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    not_stored = client.responses.create(model=DEFAULT_MODEL, input="Hi", max_output_tokens=5, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(not_stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=DEFAULT_MODEL, input="Hi", previous_response_id=not_stored.id)
+
+
+@pytest.mark.parametrize("tool", [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["x"]},
+                                  {"type": "computer_use_preview", "display_width": 1, "display_height": 1,
+                                   "environment": "linux"}])
+def test_built_in_tools_are_refused_by_name(http, tool):
+    answer = http.post("/responses", json={"model": DEFAULT_MODEL, "input": "hi", "tools": [tool]})
+    assert answer.status_code == 400
+    assert tool["type"] in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [
+    {"input": []},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+    {"input": "hi", "max_output_tokens": 0},
+    {"input": "hi", "temperature": 3},
+    {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+    {"input": [{"type": "bogus"}]},
+    {"input": "hi", "tool_choice": {"type": "function", "name": "missing"}, "tools": [WEATHER_TOOL]},
+])
+def test_bad_requests_are_400(http, body):
+    answer = http.post("/responses", json={"model": DEFAULT_MODEL, **body})
+    assert answer.status_code == 400, answer.text
+    assert set(answer.json()["error"]) == {"message", "type", "code"}
+
+
+def test_stored_responses_belong_to_their_account(tmp_path):
+    db = tmp_path / "keys.sqlite3"
+    alice, bob = create_key(db, "alice"), create_key(db, "bob")
+    with run_server("--slots", "1", "--ctx-size", "512", log_dir=tmp_path, env={"FASTRUN_KEYS_DB": str(db)}) as s:
+        as_alice = openai.OpenAI(base_url=s.base_url, api_key=alice, max_retries=0)
+        as_bob = openai.OpenAI(base_url=s.base_url, api_key=bob, max_retries=0)
+        response = as_alice.responses.create(model=DEFAULT_MODEL, input="Hi", max_output_tokens=4)
+        assert as_alice.responses.retrieve(response.id).id == response.id
+        with pytest.raises(openai.NotFoundError):
+            as_bob.responses.retrieve(response.id)
+        with pytest.raises(openai.NotFoundError):
+            as_bob.responses.create(model=DEFAULT_MODEL, input="Hi", previous_response_id=response.id)
+        with pytest.raises(openai.NotFoundError):
+            as_bob.responses.delete(response.id)
+        assert httpx.get(f"{s.base_url}/responses/{response.id}").status_code == 401
