@@ -45,11 +45,12 @@ class ControlTextEscaper:
         return "".join(out)
 
     def escape_all(self, value: Any) -> Any:
-        """Every string inside messages or tools (dicts and lists), escaped."""
+        """Every string inside messages, tools or template arguments (dicts and lists), keys
+        included, escaped."""
         if isinstance(value, str):
             return self.escape(value)
         if isinstance(value, dict):
-            return {key: self.escape_all(item) for key, item in value.items()}
+            return {self.escape_all(key): self.escape_all(item) for key, item in value.items()}
         if isinstance(value, list):
             return [self.escape_all(item) for item in value]
         return value

@@ -56,7 +56,7 @@ MAX_BODY_BYTES = 64 * 2**20  # the spec's request size limit
 
 router = APIRouter(prefix="/v1")
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503, 504)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 502, 503, 504)}
 
 
 def serving_chat(request: Request) -> OpenAIServingChat:

@@ -230,7 +230,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt = runtime.chat_template.render(
                 escaper.escape_all(messages),
                 tools=escaper.escape_all(template_tools),
-                template_kwargs=self._thinking_kwargs(request),
+                template_kwargs=escaper.escape_all(self._thinking_kwargs(request)),
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc)) from exc

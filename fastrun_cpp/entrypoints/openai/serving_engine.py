@@ -135,7 +135,14 @@ class OpenAIServing:
 
     async def parse(self, raw: Request, model: type[R]) -> R:
         """The request body as `model`: read, decoded, checked against the limits and validated
-        in the prompt pool (a 64 MiB body takes a while); a 400 in the spec's shape otherwise."""
+        in the prompt pool (a 64 MiB body takes a while); a 400 in the spec's shape otherwise.
+
+        A body that does not say it is JSON is refused (415) before it is read: a web page can
+        send text/plain or form bodies to a loopback server without a CORS preflight."""
+        content_type = raw.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json" and not content_type.endswith("+json"):
+            raise APIError(415, f"the request body must be sent as Content-Type: application/json, "
+                                f"not {content_type or 'none'!r}")
         body = await raw.body()
         request = await self.in_prompt_pool(self._parse, body, model)
         unknown = request.unknown_fields()
