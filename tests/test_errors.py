@@ -109,7 +109,7 @@ def test_empty_completion_prompt(http, model):
 
 
 def test_unknown_route_and_wrong_method(http):
-    assert_error(http.get("/embeddings"), 404)
+    assert_error(http.get("/images/generations"), 404)
     assert_error(http.post("/models"), 405)
 
 

@@ -7,19 +7,24 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from fastrun_cpp.entrypoints.anthropic.protocol import AnthropicError, CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
+from fastrun_cpp.entrypoints.anthropic.protocol import (
+    AnthropicError,
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
 from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
-from fastrun_cpp.entrypoints.openai.utils import request_body_schema, serve_route
+from fastrun_cpp.entrypoints.openai.utils import error_responses, request_body_schema, serve_route
 
 router = APIRouter(prefix="/v1")
-_ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 404, 413, 415, 429, 502, 503, 504)}
 
 
 def serving_messages(request: Request) -> AnthropicServingMessages:
     return request.app.state.serving_messages
 
 
-@router.post("/messages", response_model=MessageResponse, responses=_ERRORS,
+@router.post("/messages", response_model=MessageResponse, responses=error_responses(AnthropicError),
              openapi_extra=request_body_schema(MessagesRequest))
 async def create_message(
     raw_request: Request,
@@ -29,7 +34,7 @@ async def create_message(
     return await serve_route(raw_request, handler.create(request))
 
 
-@router.post("/messages/count_tokens", response_model=TokenCount, responses=_ERRORS,
+@router.post("/messages/count_tokens", response_model=TokenCount, responses=error_responses(AnthropicError),
              openapi_extra=request_body_schema(CountTokensRequest))
 async def count_tokens(
     raw_request: Request,

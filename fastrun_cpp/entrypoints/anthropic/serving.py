@@ -28,7 +28,7 @@ from fastrun_cpp.entrypoints.anthropic.protocol import (
 from fastrun_cpp.entrypoints.openai.errors import APIError, anthropic_error_body, bad_request
 from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
-from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.request_context import current_record
 
 logger = logging.getLogger(__name__)

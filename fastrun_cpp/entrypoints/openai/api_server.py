@@ -6,17 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from fastrun_cpp import __version__
 from fastrun_cpp.auth import KeyStore
+from fastrun_cpp.engine.faults import Faults
+from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
+from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.middleware import (
@@ -24,27 +25,19 @@ from fastrun_cpp.entrypoints.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
-from fastrun_cpp.engine.faults import Faults
-from fastrun_cpp.entrypoints.openai.errors import install_error_handlers
-from fastrun_cpp.entrypoints.openai.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ErrorResponse,
-    ModelList,
-)
-from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
-from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
+from fastrun_cpp.entrypoints.openai.chat_completion.router import router as chat_router
+from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from fastrun_cpp.entrypoints.openai.completion.router import router as completion_router
+from fastrun_cpp.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from fastrun_cpp.entrypoints.openai.embeddings.router import router as embeddings_router
 from fastrun_cpp.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from fastrun_cpp.entrypoints.openai.errors import install_error_handlers
+from fastrun_cpp.entrypoints.openai.models.router import health_router
+from fastrun_cpp.entrypoints.openai.models.router import router as models_router
+from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.openai.responses.router import router as responses_router
 from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore
-from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
-from fastrun_cpp.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
-from fastrun_cpp.entrypoints.openai.utils import request_body_schema, serve_route
 from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.runtime import load_local_runtime
 from fastrun_cpp.settings import Settings
@@ -53,65 +46,7 @@ from fastrun_cpp.structured.builder import GrammarBuilder
 logger = logging.getLogger("fastrun_cpp")
 
 MAX_BODY_BYTES = 64 * 2**20  # the spec's request size limit
-
-router = APIRouter(prefix="/v1")
-
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 502, 503, 504)}
-
-
-def serving_chat(request: Request) -> OpenAIServingChat:
-    return request.app.state.serving_chat
-
-
-def serving_completion(request: Request) -> OpenAIServingCompletion:
-    return request.app.state.serving_completion
-
-
-def serving_models(request: Request) -> OpenAIServingModels:
-    return request.app.state.serving_models
-
-
-@router.post("/chat/completions", response_model=ChatCompletion, responses=_ERRORS,
-             openapi_extra=request_body_schema(ChatCompletionRequest))
-async def create_chat_completion(
-    raw_request: Request,
-    handler: Annotated[OpenAIServingChat, Depends(serving_chat)],
-) -> Response:
-    request = await handler.parse(raw_request, ChatCompletionRequest)
-    return await serve_route(raw_request, handler.create_chat_completion(request))
-
-
-@router.post("/completions", response_model=Completion, responses=_ERRORS,
-             openapi_extra=request_body_schema(CompletionRequest))
-async def create_completion(
-    raw_request: Request,
-    handler: Annotated[OpenAIServingCompletion, Depends(serving_completion)],
-) -> Response:
-    request = await handler.parse(raw_request, CompletionRequest)
-    return await serve_route(raw_request, handler.create_completion(request))
-
-
-@router.get("/models", response_model=ModelList, responses=_ERRORS)
-async def list_models(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> ModelList:
-    return models.list_models()
-
-
-health_router = APIRouter(include_in_schema=False)
-
-
-@health_router.get("/health")
-async def health(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> dict:
-    """Alive (even while models load), with each model's state and slot load."""
-    return {"status": "ok", "models": models.status()}
-
-
-@health_router.get("/ready")
-async def ready(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> JSONResponse:
-    """200 once every configured model is loaded, 503 before (or if one failed)."""
-    status = models.status()
-    if models.all_ready:
-        return JSONResponse({"status": "ready", "models": status})
-    return JSONResponse({"status": "not ready", "models": status}, status_code=503, headers={"Retry-After": "5"})
+API_ROUTERS = (chat_router, completion_router, responses_router, messages_router, embeddings_router, models_router)
 
 
 async def load_model(settings: Settings, served: ServedModel) -> None:
@@ -199,9 +134,8 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)
     app.state.serving_responses = OpenAIServingResponses(chat, response_store(settings))
     app.state.serving_messages = AnthropicServingMessages(chat)
-    for api in (router, responses_router, messages_router, embeddings_router):
+    for api in (*API_ROUTERS, health_router):
         app.include_router(api)
-    app.include_router(health_router)
     if metrics is not None:
 
         @app.get("/metrics", include_in_schema=False)

@@ -38,7 +38,7 @@ from fastrun_cpp.entrypoints.openai.protocol import (
     RequestModel,
     Usage,
 )
-from fastrun_cpp.entrypoints.openai.serving_models import OpenAIServingModels, ServedModel
+from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.request_context import current_record
 from fastrun_cpp.limits import LimitExceeded, Limits
 from fastrun_cpp.runtime import EngineStream

@@ -44,6 +44,11 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+def error_responses(model: type[BaseModel]) -> dict[int, dict]:
+    """The error statuses a route documents, each with its body's model."""
+    return {status: {"model": model} for status in (400, 401, 404, 413, 415, 429, 502, 503, 504)}
+
+
 def request_body_schema(model: type[BaseModel]) -> dict:
     """The request body's schema for the OpenAPI document (bodies are parsed by the handlers,
     off the event loop)."""

@@ -10,17 +10,16 @@ from starlette.responses import Response
 from fastrun_cpp.entrypoints.openai.embeddings.protocol import EmbeddingList, EmbeddingRequest
 from fastrun_cpp.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from fastrun_cpp.entrypoints.openai.protocol import ErrorResponse
-from fastrun_cpp.entrypoints.openai.utils import request_body_schema, serve_route
+from fastrun_cpp.entrypoints.openai.utils import error_responses, request_body_schema, serve_route
 
 router = APIRouter(prefix="/v1")
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 502, 503, 504)}
 
 
 def serving_embedding(request: Request) -> OpenAIServingEmbedding:
     return request.app.state.serving_embedding
 
 
-@router.post("/embeddings", response_model=EmbeddingList, responses=_ERRORS,
+@router.post("/embeddings", response_model=EmbeddingList, responses=error_responses(ErrorResponse),
              openapi_extra=request_body_schema(EmbeddingRequest))
 async def create_embedding(
     raw_request: Request,

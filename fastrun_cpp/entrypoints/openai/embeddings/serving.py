@@ -12,7 +12,7 @@ from fastrun_cpp.entrypoints.openai.embeddings.protocol import Embedding, Embedd
 from fastrun_cpp.entrypoints.openai.errors import bad_request, upstream_error
 from fastrun_cpp.entrypoints.openai.protocol import random_id
 from fastrun_cpp.entrypoints.openai.serving_engine import OpenAIServing
-from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
+from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 
 
 class OpenAIServingEmbedding(OpenAIServing):

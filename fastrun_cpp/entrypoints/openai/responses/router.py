@@ -10,17 +10,16 @@ from starlette.responses import Response as HTTPResponse
 from fastrun_cpp.entrypoints.openai.protocol import ErrorResponse
 from fastrun_cpp.entrypoints.openai.responses.protocol import DeletedResponse, Response, ResponsesRequest
 from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
-from fastrun_cpp.entrypoints.openai.utils import request_body_schema, serve_route
+from fastrun_cpp.entrypoints.openai.utils import error_responses, request_body_schema, serve_route
 
 router = APIRouter(prefix="/v1")
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 502, 503, 504)}
 
 
 def serving_responses(request: Request) -> OpenAIServingResponses:
     return request.app.state.serving_responses
 
 
-@router.post("/responses", response_model=Response, responses=_ERRORS,
+@router.post("/responses", response_model=Response, responses=error_responses(ErrorResponse),
              openapi_extra=request_body_schema(ResponsesRequest))
 async def create_response(
     raw_request: Request,
@@ -30,14 +29,14 @@ async def create_response(
     return await serve_route(raw_request, handler.create(request))
 
 
-@router.get("/responses/{response_id}", response_model=Response, responses=_ERRORS)
+@router.get("/responses/{response_id}", response_model=Response, responses=error_responses(ErrorResponse))
 async def retrieve_response(
     response_id: str, handler: Annotated[OpenAIServingResponses, Depends(serving_responses)]
 ) -> dict:
     return await handler.retrieve(response_id)
 
 
-@router.delete("/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
+@router.delete("/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(ErrorResponse))
 async def delete_response(
     response_id: str, handler: Annotated[OpenAIServingResponses, Depends(serving_responses)]
 ) -> dict:

@@ -34,7 +34,7 @@ from fastrun_cpp.entrypoints.openai.responses.protocol import (
     IncompleteDetails,
 )
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoredTooLarge
-from fastrun_cpp.entrypoints.openai.serving_chat import OpenAIServingChat
+from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.request_context import current_record
 
 logger = logging.getLogger(__name__)

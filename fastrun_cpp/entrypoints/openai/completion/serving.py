@@ -26,7 +26,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     stream_error_event,
     usage_of,
 )
-from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
+from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 from fastrun_cpp.entrypoints.openai.utils import merge_async_iterators
 from fastrun_cpp.runtime import EngineStream
 

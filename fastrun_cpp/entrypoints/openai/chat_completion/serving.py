@@ -38,7 +38,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     stream_error_event,
     usage_of,
 )
-from fastrun_cpp.entrypoints.openai.serving_models import ServedModel
+from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 from fastrun_cpp.parsers import ReasoningParser, ToolFunction, ToolParser
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
 from fastrun_cpp.parsers.tool_calls import FallbackToolParser

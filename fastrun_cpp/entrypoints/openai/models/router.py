@@ -1,0 +1,39 @@
+"""GET /v1/models, and the health and readiness routes (outside /v1, no key needed)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels
+from fastrun_cpp.entrypoints.openai.protocol import ErrorResponse, ModelList
+from fastrun_cpp.entrypoints.openai.utils import error_responses
+
+router = APIRouter(prefix="/v1")
+health_router = APIRouter(include_in_schema=False)
+
+
+def serving_models(request: Request) -> OpenAIServingModels:
+    return request.app.state.serving_models
+
+
+@router.get("/models", response_model=ModelList, responses=error_responses(ErrorResponse))
+async def list_models(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> ModelList:
+    return models.list_models()
+
+
+@health_router.get("/health")
+async def health(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> dict:
+    """Alive (even while models load), with each model's state and slot load."""
+    return {"status": "ok", "models": models.status()}
+
+
+@health_router.get("/ready")
+async def ready(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> JSONResponse:
+    """200 once every configured model is loaded, 503 before (or if one failed)."""
+    status = models.status()
+    if models.all_ready:
+        return JSONResponse({"status": "ready", "models": status})
+    return JSONResponse({"status": "not ready", "models": status}, status_code=503, headers={"Retry-After": "5"})
