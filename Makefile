@@ -21,10 +21,13 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # Built from source with our flags; --no-cache-dir and --no-binary keep pip from reusing a
-# wheel built (or shipped) with other flags.
+# wheel built (or shipped) with other flags, and --force-reinstall rebuilds it in a venv that
+# already has it (built for another CPU: pip would call it "already satisfied").
 $(LLAMA_STAMP): | $(BIN)/python
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --no-cache-dir \
+	rm -f $(VENV)/.llama-cpp-python-*
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --no-cache-dir --force-reinstall --no-deps \
 		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	$(BIN)/python -m pip install -q "llama-cpp-python==$(LLAMA_CPP_VERSION)"  # its dependencies, once
 	touch $@
 
 $(VENV)/.setup: pyproject.toml $(LLAMA_STAMP)

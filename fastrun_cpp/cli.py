@@ -135,10 +135,13 @@ def cpu_supports_build() -> bool:
     from fastrun_cpp import cpu
 
     check = cpu.check_build()
-    if not check.ok:
+    if check.wrong_cpu:
         problem = check.crashed or f"it uses {', '.join(check.missing)}, which this CPU lacks"
         logger.error("llama.cpp was built for another CPU (%s): run `make setup` again to build it for "
                      "this one", problem)
+        return False
+    if not check.ok:
+        logger.error("llama.cpp cannot be loaded here: %s", check.crashed)
         return False
     logger.info("llama.cpp CPU build: %s (this CPU: %s %s)", " ".join(check.features) or "baseline",
                 cpu.machine(), cpu.cpu_name())

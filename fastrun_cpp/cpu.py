@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ SYSTEM_INFO_FLAGS: dict[str, tuple[str, ...]] = {
     "F16C": ("f16c",),
     "FMA": ("fma",),
     "BMI2": ("bmi2",),
-    "AVX512": ("avx512f",),
+    "AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),  # what GGML_AVX512 compiles with
     "AVX512_VBMI": ("avx512vbmi",),
     "AVX512_VNNI": ("avx512_vnni",),
     "AVX512_BF16": ("avx512_bf16",),
@@ -147,11 +148,16 @@ def x86_64_v3_args() -> list[str]:
 class BuildCheck:
     features: tuple[str, ...]  # CPU features the llama.cpp build uses (llama_print_system_info)
     missing: tuple[str, ...]  # of those, what this CPU lacks
-    crashed: str | None = None  # the probe died (an illegal instruction, say)
+    crashed: str | None = None  # the probe failed: why, with the end of what it printed
+    illegal_instruction: bool = False  # it died of SIGILL: built for another CPU
 
     @property
     def ok(self) -> bool:
         return not self.missing and self.crashed is None
+
+    @property
+    def wrong_cpu(self) -> bool:
+        return bool(self.missing) or self.illegal_instruction
 
 
 def parse_system_info(info: str) -> tuple[str, ...]:
@@ -182,10 +188,14 @@ def check_build(python: str = sys.executable, timeout_s: float = 120) -> BuildCh
     except subprocess.TimeoutExpired:
         return BuildCheck((), (), crashed="loading llama.cpp did not finish")
     if probe.returncode != 0:
-        reason = f"loading llama.cpp failed (exit status {probe.returncode})"
-        if probe.returncode == -4:  # SIGILL
-            reason = "loading llama.cpp died of an illegal instruction"
-        return BuildCheck((), (), crashed=reason)
+        if probe.returncode == -signal.SIGILL:
+            return BuildCheck((), (), crashed="loading llama.cpp died of an illegal instruction",
+                              illegal_instruction=True)
+        # Anything else (a CUDA build with no GPU device or driver, a missing library) is not
+        # about the CPU: say what the loader printed.
+        said = " / ".join(line.strip() for line in probe.stderr.strip().splitlines()[-3:])
+        return BuildCheck((), (), crashed=f"loading llama.cpp failed (exit status {probe.returncode})"
+                                          + (f": {said[:500]}" if said else ""))
     features = parse_system_info(probe.stdout)
     if not flags:  # the flags cannot be read here: trust a build that loaded
         return BuildCheck(features, ())

@@ -91,3 +91,48 @@ def test_server_refuses_to_start_on_a_cpu_the_build_does_not_fit(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1, result.stderr
     assert "built for another CPU" in errors[0] and "make setup" in errors[0]
+
+
+def test_avx512_build_needs_every_flag_it_compiles_with():
+    """GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw: a CPU lacking any one cannot run it."""
+    without_bw = frozenset(SAPPHIRE_RAPIDS.split()) - {"avx512bw"}
+    assert cpu.missing_features(("AVX2", "AVX512"), without_bw) == ("AVX512",)
+    assert cpu.missing_features(("AVX2", "AVX512"), frozenset(SAPPHIRE_RAPIDS.split())) == ()
+
+
+def fake_python(tmp_path, body: str) -> str:
+    script = tmp_path / "python"
+    script.write_text(f"#!{sys.executable}\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_probe_that_fails_says_why_and_is_not_called_another_cpu(tmp_path):
+    """A CUDA build with no GPU, a missing library...: the probe's own words, not 'another CPU'."""
+    failing = fake_python(tmp_path, "import sys; print('ggml_cuda_init: no CUDA-capable device', file=sys.stderr); "
+                                    "sys.exit(1)")
+    check = cpu.check_build(python=failing)
+    assert not check.ok and not check.wrong_cpu
+    assert "no CUDA-capable device" in check.crashed
+
+
+def test_an_illegal_instruction_is_another_cpu(tmp_path):
+    dying = fake_python(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    check = cpu.check_build(python=dying)
+    assert check.wrong_cpu and "illegal instruction" in check.crashed
+
+
+def test_make_setup_rebuilds_for_another_cpu_in_a_set_up_venv():
+    """pip calls an installed llama-cpp-python 'already satisfied' whatever it was built for:
+    a new CPU's options must force a rebuild from source, and drop the old stamp. (A dry run:
+    the build itself takes minutes; `make setup` with these flags runs exactly this.)"""
+    forged = "fpu sse sse2 pni ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2"
+    result = subprocess.run(["make", "-n", "setup"], capture_output=True, text=True, timeout=60,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            env={**os.environ, cpu.CPU_FLAGS_ENV: forged})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    install = next(line for line in lines if "--no-binary llama-cpp-python" in line or "--force-reinstall" in line)
+    assert "--force-reinstall" in install and "--no-cache-dir" in install
+    assert "-DGGML_AVX512=OFF" in result.stdout and "-DGGML_AVX2=ON" in result.stdout
+    assert any(line.startswith("rm -f") and ".llama-cpp-python-" in line for line in lines)
