@@ -7,16 +7,12 @@ input's vector never depends on what else is in the request (or in the engine).
 
 from __future__ import annotations
 
-import logging
-
 import llama_cpp.llama_cpp as llama
 import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.request import EngineError
-
-logger = logging.getLogger(__name__)
 
 POOLING = {
     "mean": llama.LLAMA_POOLING_TYPE_MEAN,
@@ -57,9 +53,8 @@ class Embedder:
             raise EngineError("llama.cpp could not create an embeddings context (out of memory?)")
         self._memory = llama.llama_get_memory(self._ctx)
         self._batch = TokenBatch(max_tokens)
-        self.pooling = pooling
         self.max_tokens = max_tokens
-        self.dimensions = llama.llama_model_n_embd(model.handle)
+        self.dimensions = model.n_embd
 
     def embed(self, tokens: list[int]) -> list[float]:
         """The unit-length (L2) pooled embedding of one input."""

@@ -29,7 +29,7 @@ from fastrun_cpp.entrypoints.openai.errors import APIError, anthropic_error_body
 from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +82,7 @@ def chat_request(request: CountTokensRequest, *, stream: bool = False) -> ChatCo
         data["stream_options"] = {"include_usage": True}
     if isinstance(request, MessagesRequest):
         data["max_tokens"] = request.max_tokens
-        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty", "seed"):
-            value = getattr(request, name)
-            if value is not None:
-                data[name] = value
+        data.update(request.sampling_values())
         if request.stop_sequences:
             if len(request.stop_sequences) > MAX_STOP_SEQUENCES:
                 raise bad_request(f"stop_sequences: at most {MAX_STOP_SEQUENCES} are supported, "
@@ -207,9 +203,7 @@ class AnthropicServingMessages:
                     if choice.finish_reason is not None:
                         finish_reason, stop_sequence = choice.finish_reason, choice.stop_sequence
         except APIError as exc:
-            record = current_record()
-            if record is not None:
-                record.error_type = exc.error_type
+            record_stream_error(exc)
             yield ServerSentEvent(data=json.dumps(anthropic_error_body(exc.status_code, exc.message)), event="error")
             return
         for event in events.stop_block():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -18,3 +18,7 @@ class SamplingFields(RequestModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(ge=0, le=2)] | None = None
     seed: Annotated[int, Field(ge=0, le=2147483647)] | None = None
+
+    def sampling_values(self) -> dict[str, Any]:
+        """The sampling fields the request set (to pass on to another request model)."""
+        return {name: getattr(self, name) for name in SamplingFields.model_fields if getattr(self, name) is not None}

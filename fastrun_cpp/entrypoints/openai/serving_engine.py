@@ -339,10 +339,16 @@ class OpenAIServing:
 
 def stream_error_event(exc: APIError) -> str:
     """An error inside a stream that has started: one event in the spec's error shape."""
+    record_stream_error(exc)
+    return exc.json()
+
+
+def record_stream_error(exc: APIError) -> None:
+    """An error sent inside a started stream (status 200) still counts as one, for the access
+    log and metrics."""
     record = current_record()
     if record is not None:
         record.error_type = exc.error_type
-    return exc.json()
 
 
 class ChoiceCollector:

@@ -36,6 +36,7 @@ from fastrun_cpp.entrypoints.openai.responses.protocol import (
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoredTooLarge
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +93,9 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> C
     data: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
     if request.stream:
         data["stream_options"] = {"include_usage": True}
-    for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "seed", "parallel_tool_calls"):
-        value = getattr(request, name)
-        if value is not None:
-            data[name] = value
+    data.update(request.sampling_values())
+    if request.parallel_tool_calls is not None:
+        data["parallel_tool_calls"] = request.parallel_tool_calls
     if request.max_output_tokens is not None:
         data["max_tokens"] = request.max_output_tokens
     if request.tools:
@@ -309,9 +308,7 @@ class _ResponseEvents:
         return self._event(kind, response=self.response.model_dump(mode="json"))
 
     def error(self, exc: APIError) -> ServerSentEvent:
-        record = current_record()
-        if record is not None:
-            record.error_type = exc.error_type
+        record_stream_error(exc)
         return self._event("error", code=exc.error_type, message=exc.message, param=None)
 
     @property
