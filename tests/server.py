@@ -9,7 +9,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
@@ -72,3 +72,15 @@ def run_server(*args: str, log_dir: Path, env: dict[str, str] | None = None,
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Whether `predicate` became true within `timeout` seconds (polled): tests wait for a state,
+    never for a fixed time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)

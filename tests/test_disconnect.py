@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
 
-from tests.server import DEFAULT_MODEL, run_server
+from tests.server import DEFAULT_MODEL, run_server, wait_until
 
 # The default model keeps counting for as long as it is allowed to: a long generation.
 COUNTING = {"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000, "temperature": 0}
@@ -19,15 +18,6 @@ def one_slot_server(tmp_path_factory):
         yield server
 
 
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_stream_disconnect_frees_the_slot(one_slot_server):
     server = one_slot_server
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
@@ -37,7 +27,7 @@ def test_stream_disconnect_frees_the_slot(one_slot_server):
             assert any(line.startswith("data: ") for line in received)
             assert server.busy_slots() == 1
         # The 2000-token answer would take many seconds more; the slot frees at once.
-        assert wait_for(lambda: server.busy_slots() == 0, timeout=3)
+        assert wait_until(lambda: server.busy_slots() == 0, timeout=3)
         # And the one slot serves the next request.
         answer = http.post("/completions", json={**COUNTING, "max_tokens": 4}).json()
         assert answer["usage"]["completion_tokens"] == 4
@@ -47,7 +37,7 @@ def test_non_streamed_disconnect_frees_the_slot(one_slot_server):
     server = one_slot_server
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/completions", json=COUNTING, timeout=1.0)
-    assert wait_for(lambda: server.busy_slots() == 0, timeout=3)
+    assert wait_until(lambda: server.busy_slots() == 0, timeout=3)
 
 
 def test_queued_request_waits_for_the_slot_and_is_served(one_slot_server):
@@ -61,7 +51,7 @@ def test_queued_request_waits_for_the_slot_and_is_served(one_slot_server):
                 with pytest.raises(httpx.ReadTimeout):
                     other.post("/completions", json={**COUNTING, "max_tokens": 3}, timeout=0.5)
             assert server.health()["models"][DEFAULT_MODEL]["busy_slots"] == 1
-        assert wait_for(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] == 0
-                        and server.busy_slots() == 0)
+        assert wait_until(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] == 0
+                          and server.busy_slots() == 0, timeout=5)
         answer = http.post("/completions", json={**COUNTING, "max_tokens": 3}).json()
         assert answer["usage"]["completion_tokens"] == 3

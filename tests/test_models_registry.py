@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from fastrun_cpp.registry import load_registry
-from tests.server import DEFAULT_MODEL, run_server
+from tests.server import DEFAULT_MODEL, run_server, wait_until
 
 EXAMPLE = Path(__file__).parents[1] / "models" / "registry.example.toml"
 
@@ -129,7 +128,7 @@ def test_a_pool_of_two_cpu_replicas_routes_by_prefix_then_load(tmp_path):
         first = complete(server, DEFAULT_MODEL, document, temperature=0)
         stop.set()
         holder.join()
-        time.sleep(0.5)
+        assert wait_until(lambda: server.busy_slots() == 0, timeout=30)
         # Both replicas are idle now; only one holds the document.
         again = complete(server, DEFAULT_MODEL, document, temperature=0)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1

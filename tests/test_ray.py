@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server import DEFAULT_MODEL, run_server
+from tests.server import DEFAULT_MODEL, run_server, wait_until
 from tests.test_prefix_cache import document
 
 pytest.importorskip("ray.serve", reason="the Ray backend needs `pip install 'fastrun-cpp[ray]'`")
@@ -100,12 +100,9 @@ def test_a_replica_that_dies_before_answering_is_replaced_by_another(ray_server)
     response = chat(ray_server, "You are brief.", "Hello there.", seed=CRASH_SEED)
     assert response.status_code == 200, response.text
     assert "died before answering" in ray_server.log()
-    deadline = time.monotonic() + 120  # Serve starts a new replica in its place
-    while time.monotonic() < deadline:
-        replicas = ray_server.health()["models"][DEFAULT_MODEL]["replicas"]
-        if sum(1 for r in replicas if r["healthy"]) == 2:
-            break
-        time.sleep(1)
+    # Serve starts a new replica in its place.
+    assert wait_until(lambda: sum(1 for r in ray_server.health()["models"][DEFAULT_MODEL]["replicas"]
+                                  if r["healthy"]) == 2, timeout=120)
     for question in range(4):
         assert chat(ray_server, "You are brief.", f"Again {question}.").status_code == 200
 

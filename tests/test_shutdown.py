@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 
-from tests.server import DEFAULT_MODEL, run_server
+from tests.server import DEFAULT_MODEL, run_server, wait_until
 
 
 def test_sigterm_drains_running_streams_and_exits_zero(tmp_path):
@@ -30,12 +29,15 @@ def test_sigterm_drains_running_streams_and_exits_zero(tmp_path):
         reader.start()
         assert started.wait(30)
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+
+        def refusing() -> bool:
+            try:
+                return httpx.get(f"{server.root_url}/health", timeout=2).status_code >= 500
+            except httpx.HTTPError:
+                return True
+
         # No new work is taken once draining has begun.
-        try:
-            refused = httpx.get(f"{server.root_url}/health", timeout=2).status_code >= 500
-        except httpx.HTTPError:
-            refused = True
+        refused = wait_until(refusing, timeout=10)
         reader.join(timeout=60)
         assert server.process.wait(timeout=60) == 0
     assert refused
