@@ -89,14 +89,16 @@ class Server:
 
 
 @contextmanager
-def running(spec: ServerSpec, model_path: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
+def running(spec: ServerSpec, model_path: Path, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> Iterator[Server]:
     """A server; fastrun-cpp's disk prompt cache in a fresh directory unless `env` names one
-    (so that no run starts warm from an earlier one)."""
+    (so that no run starts warm from an earlier one). `cwd`: a checkout of another commit to
+    run fastrun-cpp from."""
     port = free_port()
     (ROOT / ".bench").mkdir(exist_ok=True)
     log = open(ROOT / ".bench" / f"{spec.title}.log", "wb")
     scratch = tempfile.mkdtemp(prefix="fastrun-bench-cache-")
-    process = subprocess.Popen(spec.command(port, model_path), stdout=log, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(spec.command(port, model_path), stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                env={**os.environ, "PYTHONUNBUFFERED": "1", "FASTRUN_PROMPT_CACHE_DIR": scratch,
                                     **(env or {})})
     base = f"http://127.0.0.1:{port}"

@@ -32,12 +32,13 @@ class Limits(BaseModel):
     grammar_bytes: int = Field(1 << 20, ge=1024, description="Bytes of a generated grammar.")
     grammar_nesting: int = Field(128, ge=8, description="Nested groups in a generated grammar.")
     grammar_first_step_ms: float = Field(
-        100, gt=0, description="CPU time the grammar may take to mask a 128k-token vocabulary in its first step "
-        "(ms; scaled for larger vocabularies)."
+        100, gt=0, description="CPU time a grammar llguidance cannot run (llama.cpp's engine runs it) may take to "
+        "mask a 128k-token vocabulary in its first step (ms; scaled for larger vocabularies)."
     )
     grammar_step_ms: float = Field(
-        500, gt=0, description="CPU time a running grammar may take for one token with a 128k-token vocabulary "
-        "before its request is ended (ms; scaled for larger vocabularies)."
+        10, gt=0, description="CPU time a grammar may take for one token with a 128k-token vocabulary (ms; scaled "
+        "for larger vocabularies): what one constrained request may cost every request decoding beside it. "
+        "llguidance's per-step fuel is set from it; a grammar past it ends its request."
     )
     schema_timeout_s: float = Field(5, gt=0, description="Time to turn a schema into a grammar (s).")
     grammar_timeout_s: float = Field(10, gt=0, description="Time to compile a grammar (s).")

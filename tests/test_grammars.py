@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fastrun_cpp.default_model import embedded_model_path
-from fastrun_cpp.engine.grammar import CompiledGrammar, GrammarError
+from fastrun_cpp.engine.grammar import GrammarCompiler, GrammarError
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.structured import base_grammar
 from fastrun_cpp.structured.spec import GrammarSpec
@@ -28,14 +28,21 @@ def test_the_base_grammars_exist():
     assert {"json", "json_object"} <= set(GRAMMARS)
 
 
+@pytest.fixture(scope="module")
+def compiler(smollm):
+    compiler = GrammarCompiler(smollm)
+    yield compiler
+    compiler.close()
+
+
 @pytest.mark.parametrize("name", GRAMMARS)
-def test_grammar_compiles(smollm, name):
-    CompiledGrammar(smollm, GrammarSpec(base_grammar(name)))
+def test_grammar_compiles_for_llguidance(compiler, name):
+    assert compiler.compile_now(GrammarSpec(base_grammar(name))).engine == "llguidance"
 
 
-def test_a_broken_grammar_is_reported(smollm):
+def test_a_broken_grammar_is_reported(compiler):
     with pytest.raises(GrammarError):
-        CompiledGrammar(smollm, GrammarSpec('root ::= "unterminated'))
+        compiler.compile_now(GrammarSpec('root ::= "unterminated'))
 
 
 # Prompts the tiny model answers briefly (a rambling answer would hit max_tokens mid-value).

@@ -9,12 +9,11 @@ import ctypes
 import random
 
 import httpx
-import llama_cpp.llama_cpp as llama
 import numpy as np
 import pytest
 
 from fastrun_cpp.default_model import embedded_model_path
-from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar
+from fastrun_cpp.engine.grammar import GrammarCompiler, LazyGrammar
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.sampling import Candidates
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
@@ -92,7 +91,7 @@ def call_grammar(vocab):
     gbnf = tool_calls_gbnf([("f", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                                    "required": ["city"]}, True)],
                            parser.call_grammar, lambda call: parser.calls_grammar(call, at_least=1, at_most=2))
-    return CompiledGrammar(vocab, GrammarSpec(gbnf, parser.lazy_triggers()))
+    return GrammarCompiler(vocab).compile_now(GrammarSpec(gbnf, parser.lazy_triggers()))
 
 
 ADVERSARIAL = [
@@ -107,33 +106,48 @@ ADVERSARIAL = [
 def test_lazy_grammar_arms_only_on_what_it_accepts(vocab, call_grammar, text):
     """Whatever surrounds the trigger, token by token: arming never throws inside llama.cpp, and
     once armed, every token picked is one the grammar allowed."""
-    rng = np.random.default_rng(len(text))
-    candidates = Candidates(vocab.n_vocab)
-    tokens = vocab.tokenize(text, add_special=False, parse_special=True)
-    lazy = LazyGrammar(call_grammar, vocab, candidates)
+    armed = _arm(vocab, call_grammar, text)
+    if armed is None:
+        return
+    _sample_on(vocab, armed, np.random.default_rng(len(text)))
+
+
+def test_a_valid_call_after_text_arms_the_grammar(vocab, call_grammar):
+    text = 'before <tool_call>\n{"name": "f", "arguments": {"city": "Os'
+    armed = _arm(vocab, call_grammar, text)
+    assert armed is not None
+    _sample_on(vocab, armed, np.random.default_rng(0))
+
+
+def _arm(vocab, grammar, text):
+    lazy = LazyGrammar(grammar, vocab)
     armed = None
     seen = ""
-    for token in tokens:
+    for token in vocab.tokenize(text, add_special=False, parse_special=True):
         seen += vocab.token_bytes[token].decode("utf-8", "replace")
         armed = lazy.observe(seen) or armed
         if lazy.done:
             break
-    if armed is None:
-        return
+    return armed
+
+
+def _sample_on(vocab, armed, rng):
+    """Sample on with random logits: only allowed tokens, and accepting them never throws."""
+    candidates = Candidates(vocab.n_vocab)
     logits = (ctypes.c_float * vocab.n_vocab)()
-    for _ in range(30):  # sample on: only allowed tokens, and accepting them never throws
+    for _ in range(30):
         np.ctypeslib.as_array(logits, shape=(vocab.n_vocab,))[:] = rng.normal(size=vocab.n_vocab)
-        array = candidates.fill(logits)
-        llama.llama_sampler_apply(armed, array)
-        values = candidates._all["logit"][: array._obj.size]
+        candidates.fill(logits)
+        armed.mask(candidates)
+        values = candidates.logits
         if not np.isfinite(values).any():
             break  # the grammar is complete: nothing but the end may come
-        best = int(candidates._all["id"][int(np.argmax(values))])
+        best = int(np.argmax(values))
         if best in vocab.eog_token_ids:
             break
-        assert candidates.allows(armed, best)
-        llama.llama_sampler_accept(armed, best)
-    llama.llama_sampler_free(armed)
+        assert armed.allows(best)
+        armed.accept(best)
+    armed.free()
 
 
 def test_a_model_writing_empty_tool_call_tags_is_served(server, model):

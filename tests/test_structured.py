@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
@@ -173,3 +174,54 @@ def test_missing_json_schema_is_400(http, model):
         "model": model, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}})
     assert response.status_code == 400
     assert "json_schema" in response.json()["error"]["message"]
+
+
+TREE = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    "required": ["name", "children"], "additionalProperties": False}
+LINKED_LIST = {"$defs": {"node": {"type": "object", "properties": {
+    "value": {"type": "integer", "minimum": 0, "maximum": 99},
+    "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+    "required": ["value", "next"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
+
+
+@pytest.mark.parametrize("schema, prompt", [
+    (TREE, "A family tree: a grandmother with two children, each with one child."),
+    (LINKED_LIST, "A linked list of the numbers 1, 2 and 3."),
+], ids=["tree", "linked-list"])
+def test_recursive_schemas_are_answered_and_valid(client, model, schema, prompt):
+    """Schemas that refer to themselves (OpenAI's structured outputs take them): the answer
+    follows the schema at every depth it reaches."""
+    choice = ask(client, model, schema, prompt, temperature=0).choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    else:  # cut at max_tokens inside a deep tree: valid as far as it went
+        assert choice.finish_reason == "length"
+        assert_json_answer(choice, dict)
+
+
+def test_recursive_tool_parameters_are_enforced(client, model):
+    tool = {"type": "function", "function": {"name": "save_tree", "strict": True, "parameters": TREE}}
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Save a tree with a root named a and one child b."}],
+        tools=[tool], tool_choice="required", max_tokens=MAX_TOKENS, temperature=0)
+    choice = response.choices[0]
+    if choice.finish_reason == "tool_calls":
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), TREE)
+    else:
+        assert choice.finish_reason == "length"
+
+
+def test_grammar_time_per_token_is_a_metric(server, client, model):
+    def histogram_count() -> float:
+        text = httpx.get(f"{server.root_url}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("fastrun_grammar_step_seconds_count"))
+
+    before = histogram_count()
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give a JSON object."}], max_tokens=16,
+        temperature=0, response_format={"type": "json_object"})
+    assert histogram_count() >= before + response.usage.completion_tokens - 1  # the end token is not masked

@@ -7,6 +7,7 @@ prompt never stalls the streams already running.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
 import logging
@@ -25,6 +26,7 @@ from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.embedding import Embedder, model_pooling
 from fastrun_cpp.engine.faults import Faults
+from fastrun_cpp.engine.constraint import ConstraintError
 from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_scale
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
 from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
@@ -107,10 +109,29 @@ class EngineConfig:
     flash_attn: str  # auto / on / off
     cache_type_k: str  # KV cache data types
     cache_type_v: str
-    grammar_step_ms: float = 500.0  # a grammar taking longer for one token (128k vocabulary) ends its request
+    grammar_step_ms: float = 10.0  # a grammar taking longer for one token (128k vocabulary) ends its request
     embeddings: bool = False  # serves embeddings too
     embedding_pooling: str | None = None  # mean / cls / last; unset: the GGUF's, else mean
     speculation: SpeculationConfig = SpeculationConfig(kind="none")
+
+
+GRAMMAR_STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+
+
+@dataclass
+class TimeHistogram:
+    """Counts of durations (s) at or under each of GRAMMAR_STEP_BUCKETS (last: over them all),
+    and their sum; adds up across replicas like the counters beside it."""
+
+    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(GRAMMAR_STEP_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(GRAMMAR_STEP_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def __add__(self, other: TimeHistogram) -> TimeHistogram:
+        return TimeHistogram([a + b for a, b in zip(self.counts, other.counts)], self.total + other.total)
 
 
 @dataclass
@@ -133,6 +154,7 @@ class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0  # whole scheduler steps
     decode_seconds: float = 0.0  # of which inside llama_decode (the rest is Python and sampling)
+    grammar_steps: TimeHistogram = dataclasses.field(default_factory=TimeHistogram)  # grammar CPU time per token
 
 
 class ThroughputMeter:
@@ -528,7 +550,7 @@ class Engine:
             n_vocab=self.model.n_vocab,
             penalty_window=self.config.ctx_size,
             grammar=grammar.instantiate() if grammar is not None and not lazy else None,
-            lazy_grammar=LazyGrammar(grammar, self.model, self._candidates) if lazy else None,
+            lazy_grammar=LazyGrammar(grammar, self.model) if lazy else None,
         )
         sampler.accept_prompt(request.prompt_tokens)
         return sampler
@@ -722,6 +744,9 @@ class Engine:
                 if limit >= spec.draft_min and (draft := slot.drafter.propose(limit)):
                     drafts[slot.seq_id] = draft
                     budget -= len(draft)
+        # A drafted token the grammar refuses would only be verified to be thrown away.
+        drafts = {seq: draft for seq, draft in ((seq, slots[seq].sampler.valid_draft(draft)) for seq, draft in drafts.items())
+                  if len(draft) >= spec.draft_min}
         kept = worth_verifying([(seq, len(draft), slots[seq].acceptance.rate) for seq, draft in drafts.items()],
                                len(decoding), self._step_costs)
         for seq in drafts:
@@ -745,12 +770,19 @@ class Engine:
         logprobs: list[TokenLogprob] | None = [] if slot.request.logprobs is not None else None
         drafted = len(slot.draft)
         for position, batch_index in enumerate(slot.batch_indices):
-            started = time.thread_time()  # the sampler's work, not time spent waiting for a CPU
-            token = slot.sampler.sample(self._ctx, batch_index, self._candidates)
+            try:
+                token = slot.sampler.sample(self._ctx, batch_index, self._candidates)
+            except ConstraintError as exc:
+                return self._reject_for_grammar(slot, f"the grammar cannot go on ({exc}); simplify the schema's "
+                                                      "patterns or repetitions (limit --limit-grammar-step-ms)")
             if slot.sampler.constrained:
-                elapsed_ms = (time.thread_time() - started) * 1000
-                if elapsed_ms > self._grammar_step_ms:
-                    return self._reject_for_grammar_cost(slot, elapsed_ms)
+                grammar_ms = slot.sampler.grammar_ms
+                self.stats.grammar_steps.observe(grammar_ms / 1000)
+                if grammar_ms > self._grammar_step_ms:
+                    return self._reject_for_grammar(slot, (
+                        f"the grammar took {grammar_ms:.0f} ms of CPU for one token, over {self._grammar_step_ms:g} ms "
+                        "for this model's vocabulary (limit --limit-grammar-step-ms); simplify the schema's patterns "
+                        "or repetitions"))
             emitted.append(token)
             if token == NO_TOKEN or token in self.model.eog_token_ids:
                 break
@@ -781,14 +813,11 @@ class Engine:
             del slot.cache_tokens[keep:]
         return self._accept_tokens(slot, emitted, logprobs)
 
-    def _reject_for_grammar_cost(self, slot: Slot, elapsed_ms: float) -> GenerationOutput:
+    def _reject_for_grammar(self, slot: Slot, error: str) -> GenerationOutput:
         # A grammar's step cost can explode with what it has accepted; one such request must
         # not keep stalling everyone decoding beside it.
-        logger.warning("request %s: its grammar took %.0f ms for one token; ending it",
-                       slot.request.request_id, elapsed_ms)
-        output = slot.output(finish_reason=FinishReason.ERROR, rejected=True, error=(
-            f"the grammar took {elapsed_ms:.0f} ms of CPU for one token, over {self._grammar_step_ms:g} ms for this "
-            "model's vocabulary (limit --limit-grammar-step-ms); simplify the schema's patterns or repetitions"))
+        logger.warning("request %s: %s; ending it", slot.request.request_id, error)
+        output = slot.output(finish_reason=FinishReason.ERROR, rejected=True, error=error)
         self._drop_drafts(slot)
         self._release(slot)
         return output

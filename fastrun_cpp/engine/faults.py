@@ -13,11 +13,15 @@ import threading
 from dataclasses import dataclass, field
 
 
+GRAMMAR_HANG_TEXT = "fastrun-debug-grammar-hang"
+
+
 @dataclass
 class Faults:
     load_delay_s: float = 0.0
     decode_failures: frozenset[int] = frozenset()  # 1-based numbers of the decode calls that fail
     schema_hang: bool = False  # schema conversions of a schema titled "fastrun-debug-hang" hang
+    grammar_hang: bool = False  # compiling a grammar holding GRAMMAR_HANG_TEXT takes 30 s
     _decodes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -36,10 +40,12 @@ class Faults:
                 failures.add(int(value))
             elif name == "schema-hang":
                 faults.schema_hang = True
+            elif name == "grammar-hang":
+                faults.grammar_hang = True
             elif name == "replica-exit":
                 pass  # Ray replicas read it themselves (runtime.ray_backend)
             else:
-                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang, replica-exit)")
+                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang, grammar-hang, replica-exit)")
         faults.decode_failures = frozenset(failures)
         return faults
 

@@ -12,17 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import llama_cpp.llama_cpp as llama
+import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
+from llguidance.llamacpp import lltokenizer_from_vocab
 
 from fastrun_cpp.engine.cache import ByteLRU
+from fastrun_cpp.engine.constraint import Constraint, GbnfConstraint, GuidanceConstraint
+from fastrun_cpp.engine.faults import GRAMMAR_HANG_TEXT
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.sampling import Candidates
-from fastrun_cpp.structured.spec import GrammarSpec
+from fastrun_cpp.structured.spec import GrammarSpec, Trigger
+
+logger = logging.getLogger(__name__)
 
 LIMIT_VOCABULARY = 131072  # the grammar time limits are for a vocabulary of this many tokens
 
@@ -33,19 +42,30 @@ def vocabulary_scale(n_vocab: int) -> float:
     return max(1.0, n_vocab / LIMIT_VOCABULARY)
 
 
+# llguidance's lexer burns about this much fuel per millisecond (its documentation's figure).
+LEXER_FUEL_PER_MS = 14_000
+
+
 class GrammarError(ValueError):
-    """llama.cpp could not parse the grammar, or it is too costly to run."""
+    """The grammar could not be parsed, or it is too costly to run."""
 
 
 class CompiledGrammar:
-    """A parsed grammar for one vocabulary; `instantiate()` clones it for a request (the
-    parsed rules are copied, nothing is parsed again)."""
+    """A grammar ready for one vocabulary; `instantiate()` gives a request its own
+    constraint.Constraint (nothing is parsed again).
 
-    def __init__(self, model: LlamaModel, spec: GrammarSpec) -> None:
+    llguidance runs every grammar it accepts (the GBNF is converted to its Lark dialect);
+    llama.cpp's grammar sampler runs the rest (`engine` says which).
+    """
+
+    def __init__(self, spec: GrammarSpec, *, matcher=None, sampler: llama.llama_sampler_p | None = None,
+                 n_vocab: int, end_tokens: frozenset[int] = frozenset()) -> None:
         self.spec = spec
-        self._prototype = llama.llama_sampler_init_grammar(model.vocab, spec.gbnf.encode("utf-8"), b"root")
-        if not self._prototype:
-            raise GrammarError("the grammar could not be parsed by llama.cpp")
+        self._end_tokens = end_tokens
+        self._matcher = matcher  # llguidance.LLMatcher in its start state, copied per request
+        self._prototype = sampler
+        self._n_vocab = n_vocab
+        self.engine = "llguidance" if matcher is not None else "llama.cpp"
         # The parsed form takes a few times the text's size; a bound for the cache, not a measure.
         self.nbytes = 8 * len(spec.gbnf) + 4096
 
@@ -53,8 +73,10 @@ class CompiledGrammar:
     def triggers(self) -> tuple[Trigger, ...]:
         return self.spec.triggers
 
-    def instantiate(self) -> llama.llama_sampler_p:
-        return llama.llama_sampler_clone(self._prototype)
+    def instantiate(self) -> Constraint:
+        if self._matcher is not None:
+            return GuidanceConstraint(self._matcher.deep_copy(), self._n_vocab, self._end_tokens)
+        return GbnfConstraint(llama.llama_sampler_clone(self._prototype))
 
     def __del__(self) -> None:
         if getattr(self, "_prototype", None):
@@ -69,13 +91,29 @@ class GrammarCompiler:
     per-token cost explodes would stall every request decoding beside it)."""
 
     def __init__(self, model: LlamaModel, limits: Limits | None = None, *, cache_bytes: int = 64 << 20,
-                 workers: int = 2) -> None:
+                 workers: int = 2, hang_on_request: bool = False) -> None:
         self._model = model
+        self._hang_on_request = hang_on_request  # --debug-faults grammar-hang (tests only)
         self.limits = limits or Limits()
         self._cache: ByteLRU[GrammarSpec, CompiledGrammar] = ByteLRU(cache_bytes)
+        self._workers = workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fastrun-grammar")
         self._local = threading.local()
+        # llguidance's view of the vocabulary takes ~1.5 s for 262k tokens: built once, now,
+        # while the server starts.
+        self._tokenizer = self._pool.submit(self._build_tokenizer)
         self.stuck = 0  # compilations abandoned past their time limit (their threads are lost)
+
+    def _build_tokenizer(self):
+        with warnings.catch_warnings():  # it calls a renamed llama.cpp function once per token
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(self._model.vocab, eos_token=sorted(self._model.eog_token_ids))
+
+    def _parser_limits(self) -> llguidance.LLParserLimits:
+        # A step's work is capped by fuel (llguidance stops and reports an error past it), so
+        # one constrained request costs the batch at most about this much per token.
+        fuel = int(LEXER_FUEL_PER_MS * self.limits.grammar_step_ms * vocabulary_scale(self._model.n_vocab))
+        return llguidance.LLParserLimits(step_lexer_fuel=fuel, step_max_items=fuel // 4, verbose_errors=False)
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar of `spec`; raises GrammarError."""
@@ -87,7 +125,10 @@ class GrammarCompiler:
         try:
             grammar = await asyncio.wait_for(asyncio.shield(future), self.limits.grammar_timeout_s)
         except asyncio.TimeoutError:
+            # Its thread cannot be stopped; a fresh pool keeps it from holding up the next ones.
             self.stuck += 1
+            self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="fastrun-grammar")
             raise GrammarError(f"the grammar took over {self.limits.grammar_timeout_s:g} s to compile "
                                "(limit --limit-grammar-timeout-s)") from None
         self._cache.put(spec, grammar, grammar.nbytes)
@@ -103,24 +144,61 @@ class GrammarCompiler:
         return grammar
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        grammar = CompiledGrammar(self._model, spec)
+        if self._hang_on_request and GRAMMAR_HANG_TEXT in spec.gbnf:
+            time.sleep(30)
+        matcher = self._guidance_matcher(spec)
+        if matcher is not None:
+            return CompiledGrammar(spec, matcher=matcher, n_vocab=self._model.n_vocab,
+                                   end_tokens=frozenset(self._model.eog_token_ids))
+        sampler = llama.llama_sampler_init_grammar(self._model.vocab, spec.gbnf.encode("utf-8"), b"root")
+        if not sampler:
+            raise GrammarError("the grammar could not be parsed by llama.cpp")
+        grammar = CompiledGrammar(spec, sampler=sampler, n_vocab=self._model.n_vocab)
         self._probe(grammar)
         return grammar
 
-    def _probe(self, grammar: CompiledGrammar) -> None:
+    def _guidance_matcher(self, spec: GrammarSpec):
+        """llguidance's matcher for the grammar, its first mask computed (a first step over the
+        fuel fails here, not in the batch); None when llguidance cannot take it."""
+        try:
+            lark = gbnf_to_lark(spec.gbnf)
+        except Exception as exc:  # noqa: BLE001 - the converter's errors are its own classes
+            logger.info("llguidance's GBNF converter refused a grammar (%s); llama.cpp's grammar engine runs it",
+                        type(exc).__name__)
+            return None
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), lark, log_level=0, limits=self._parser_limits())
+        if matcher.is_error():
+            error = matcher.get_error()
+            if "fuel" in error or "too many" in error.lower() or "limit" in error.lower():
+                raise GrammarError(f"the grammar is too costly to run: {error.splitlines()[0]}")
+            logger.info("llguidance refused a grammar (%s); llama.cpp's grammar engine runs it", error.splitlines()[0])
+            return None
+        first = matcher.deep_copy()
+        first.compute_bitmask()
+        if first.is_error():
+            raise GrammarError(f"the grammar is too costly to run: {first.get_error().splitlines()[0]} "
+                               "(limit --limit-grammar-step-ms)")
+        return matcher
+
+    def _candidates(self) -> Candidates:
         candidates = getattr(self._local, "candidates", None)
         if candidates is None:
             candidates = self._local.candidates = Candidates(self._model.n_vocab)
-        sampler = grammar.instantiate()
+        return candidates
+
+    def _probe(self, grammar: CompiledGrammar) -> None:
+        candidates = self._candidates()
+        constraint = grammar.instantiate()
         try:
             logits = (ctypes.c_float * self._model.n_vocab)()
             # CPU time of this thread: the work the grammar makes, not the time a busy machine
             # kept the thread waiting.
             started = time.thread_time()
-            llama.llama_sampler_apply(sampler, candidates.fill(logits))
+            candidates.fill(logits)
+            constraint.mask(candidates)
             elapsed_ms = (time.thread_time() - started) * 1000
         finally:
-            llama.llama_sampler_free(sampler)
+            constraint.free()
         limit_ms = self.limits.grammar_first_step_ms * vocabulary_scale(self._model.n_vocab)
         if elapsed_ms > limit_ms:
             raise GrammarError(
@@ -180,16 +258,15 @@ class LazyGrammar:
     grammar describes: the grammar then stays off for good (the parsers treat the text as text).
     """
 
-    def __init__(self, grammar: CompiledGrammar, model: LlamaModel, candidates: Candidates) -> None:
+    def __init__(self, grammar: CompiledGrammar, model: LlamaModel) -> None:
         self._grammar = grammar
         self._model = model
-        self._candidates = candidates
         self._longest = max(len(t.text) for t in grammar.triggers)
         self._scanned = 0  # text before this index holds no trigger start
         self.done = False  # armed or given up: nothing more to watch
 
-    def observe(self, text: str) -> llama.llama_sampler_p | None:
-        """An armed sampler when a trigger has just appeared in `text`, else None."""
+    def observe(self, text: str) -> Constraint | None:
+        """The armed constraint when a trigger has just appeared in `text`, else None."""
         if self.done:
             return None
         found = self._find(text)
@@ -222,11 +299,14 @@ class LazyGrammar:
             self.done = True
         return best
 
-    def _arm(self, text: str) -> llama.llama_sampler_p | None:
-        sampler = self._grammar.instantiate()
-        for token in self._model.tokenize(text, add_special=False, parse_special=True) if text else ():
-            if not self._candidates.allows(sampler, token):
-                llama.llama_sampler_free(sampler)
+    def _arm(self, text: str) -> Constraint | None:
+        constraint = self._grammar.instantiate()
+        # llguidance matches text, never a control token; llama.cpp's grammar matches a
+        # control token by its text.
+        special = constraint.engine != "llguidance"
+        for token in self._model.tokenize(text, add_special=False, parse_special=special) if text else ():
+            if not constraint.allows(token):
+                constraint.free()
                 return None
-            llama.llama_sampler_accept(sampler, token)
-        return sampler
+            constraint.accept(token)
+        return constraint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -50,9 +51,7 @@ class Candidates:
         self.n_vocab = n_vocab
         self._ids = np.arange(n_vocab, dtype=np.int32)
         self._all = np.zeros(n_vocab, dtype=self.DTYPE)
-        self._one = np.zeros(1, dtype=self.DTYPE)
         self._all_array = self._array(self._all)
-        self._one_array = self._array(self._one)
 
     @staticmethod
     def _array(data: np.ndarray) -> llama.llama_token_data_array:
@@ -68,7 +67,17 @@ class Candidates:
         self._all_array.size = self.n_vocab
         self._all_array.selected = -1
         self._all_array.sorted = False
+        return self.array
+
+    @property
+    def array(self):
+        """The filled array, for llama.cpp's samplers."""
         return ctypes.byref(self._all_array)
+
+    @property
+    def logits(self) -> np.ndarray:
+        """The logits column of the filled array (index = token id until a sampler reorders it)."""
+        return self._all["logit"]
 
     def selected(self) -> int:
         return int(self._all["id"][self._all_array.selected])
@@ -78,15 +87,6 @@ class Candidates:
         every token, and a sampler then still selects one)."""
         return math.isfinite(float(self._all["logit"][self._all_array.selected]))
 
-    def allows(self, grammar: llama.llama_sampler_p, token: int) -> bool:
-        """Whether the grammar, in its current state, accepts `token` next."""
-        self._one[0] = (token, 0.0, 0.0)
-        self._one_array.size = 1
-        self._one_array.selected = -1
-        self._one_array.sorted = False
-        llama.llama_sampler_apply(grammar, ctypes.byref(self._one_array))
-        return math.isfinite(float(self._one["logit"][0]))
-
 
 NO_TOKEN = -1  # sample(): the grammar allows no token at all
 
@@ -95,8 +95,8 @@ class SamplerChain:
     """A llama.cpp sampler chain owned by one slot for the life of one request.
 
     Order (llama.cpp's own): [grammar] -> penalties -> top_k -> top_p -> min_p -> temperature
-    -> dist. Temperature 0 replaces the last four with greedy argmax. A lazy grammar joins
-    once its trigger appears (`observe`).
+    -> dist. Temperature 0 replaces the last four with greedy argmax. The grammar is a
+    constraint.Constraint; a lazy one joins once its trigger appears (`observe`).
     """
 
     def __init__(
@@ -105,11 +105,12 @@ class SamplerChain:
         *,
         n_vocab: int,
         penalty_window: int,
-        grammar: llama.llama_sampler_p | None = None,
+        grammar=None,
         lazy_grammar=None,
     ) -> None:
         self.params = params
-        self._grammar = grammar  # owned here, kept out of the chain (see sample())
+        self._grammar = grammar  # a Constraint, owned here, kept out of the chain (see sample())
+        self.grammar_ms = 0.0  # CPU time the grammar took in the last sample()
         self._lazy = lazy_grammar  # a grammar.LazyGrammar waiting for its trigger
         self._chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         if params.logit_bias:  # before every other sampler, as OpenAI applies it
@@ -165,26 +166,42 @@ class SamplerChain:
             for token in tokens:
                 llama.llama_sampler_accept(self._penalties, token)
 
+    @property
+    def grammar_engine(self) -> str | None:
+        return self._grammar.engine if self._grammar is not None else None
+
+    def valid_draft(self, draft: list[int]) -> list[int]:
+        """The part of a draft the grammar accepts (a refused token is never verified)."""
+        if self._grammar is None or not draft:
+            return draft
+        return draft[: self._grammar.valid_prefix(draft)]
+
     def sample(self, ctx: llama.llama_context_p, batch_index: int, candidates: Candidates) -> int:
         """Pick and accept the next token from the logits at `batch_index` of the last decode;
-        NO_TOKEN when a grammar allows none."""
+        NO_TOKEN when a grammar allows none. Raises constraint.ConstraintError when the
+        grammar cannot go on."""
         if self._grammar is None:
             return llama.llama_sampler_sample(self._chain, ctx, batch_index)
-        # Masking the whole vocabulary with a grammar costs milliseconds; most tokens the model
-        # picks unconstrained are allowed anyway. So: sample freely, check that one token, and
-        # only if the grammar refuses it, mask everything and sample again (as llama.cpp's
-        # common sampler does).
+        # Most tokens the model picks unconstrained are allowed anyway. So: sample freely,
+        # check that one token, and only if the grammar refuses it, mask everything (one
+        # vectorised pass) and sample again, as llama.cpp's common sampler does.
         logits = llama.llama_get_logits_ith(ctx, batch_index)
         llama.llama_sampler_apply(self._chain, candidates.fill(logits))
         token = candidates.selected()
-        if not candidates.allows(self._grammar, token):
-            array = candidates.fill(logits)
-            llama.llama_sampler_apply(self._grammar, array)
-            llama.llama_sampler_apply(self._chain, array)
+        started = time.thread_time()  # the grammar's own CPU work, not time spent waiting for a CPU
+        allowed = self._grammar.allows(token)
+        if not allowed:
+            candidates.fill(logits)
+            self._grammar.mask(candidates)
+            grammar_s = time.thread_time() - started
+            llama.llama_sampler_apply(self._chain, candidates.array)
             if not candidates.selected_is_possible():
+                self.grammar_ms = grammar_s * 1000
                 return NO_TOKEN  # accepting a refused token would throw inside llama.cpp
             token = candidates.selected()
-        llama.llama_sampler_accept(self._grammar, token)
+            started = time.thread_time() - grammar_s
+        self._grammar.accept(token)
+        self.grammar_ms = (time.thread_time() - started) * 1000
         llama.llama_sampler_accept(self._chain, token)
         return token
 
@@ -192,6 +209,6 @@ class SamplerChain:
         if self._chain:
             llama.llama_sampler_free(self._chain)
             self._chain = None
-        if self._grammar:
-            llama.llama_sampler_free(self._grammar)
+        if self._grammar is not None:
+            self._grammar.free()
             self._grammar = None

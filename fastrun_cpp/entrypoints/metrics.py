@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from fastrun_cpp.engine.engine import GRAMMAR_STEP_BUCKETS
 
 disable_created_metrics()  # no `_created` series: they double the output and nobody graphs them
 
@@ -15,7 +18,8 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0
 
 
 class ServerMetrics:
-    def __init__(self, engines: Callable[[], Iterable[tuple[str, object]]]) -> None:
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, object]]],
+                 grammar_failures: Callable[[], tuple[dict[str, int], int]] = lambda: ({}, 0)) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("fastrun_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
@@ -37,14 +41,16 @@ class ServerMetrics:
             "fastrun_inter_token_latency_seconds", "Gap between consecutive generated tokens.", ["model"],
             buckets=TOKEN_GAP_BUCKETS, registry=r,
         )
-        r.register(_EngineCollector(engines))
+        r.register(_EngineCollector(engines, grammar_failures))
 
 
 class _EngineCollector(Collector):
     """Engine state read at scrape time: slots, queue and prefix-cache counters."""
 
-    def __init__(self, engines: Callable[[], Iterable[tuple[str, object]]]) -> None:
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, object]]],
+                 grammar_failures: Callable[[], tuple[dict[str, int], int]]) -> None:
         self._engines = engines
+        self._grammar_failures = grammar_failures  # (compilations stuck per model, conversions killed)
 
     def collect(self):
         slots = GaugeMetricFamily("fastrun_slots", "Parallel slots of the model's engine.", labels=["model"])
@@ -70,6 +76,9 @@ class _EngineCollector(Collector):
                                labels=["model", "replica"])
         drafted = CounterMetricFamily("fastrun_spec_draft_tokens", "Speculative draft tokens verified, and accepted.",
                                       labels=["model", "outcome"])
+        grammar = HistogramMetricFamily(
+            "fastrun_grammar_step_seconds", "CPU time a grammar took for one constrained token (check, mask, accept).",
+            labels=["model"])
         for model_id, engine in self._engines():
             for replica in engine.replica_status():
                 running.add_metric([model_id, replica["replica"]], replica["busy_slots"])
@@ -86,10 +95,23 @@ class _EngineCollector(Collector):
             hits.add_metric([model_id, "miss"], stats.misses)
             drafted.add_metric([model_id, "drafted"], stats.drafted_tokens)
             drafted.add_metric([model_id, "accepted"], stats.accepted_tokens)
+            steps = stats.grammar_steps
+            cumulative = list(itertools.accumulate(steps.counts))
+            grammar.add_metric([model_id], [(repr(le), count) for le, count in zip(GRAMMAR_STEP_BUCKETS, cumulative)]
+                               + [("+Inf", cumulative[-1])], steps.total)
             disk = engine.disk_stats
             if disk is not None:
                 disk_bytes.add_metric([model_id], disk.bytes)
                 for event, value in (("hit", disk.hits), ("miss", disk.misses), ("write", disk.writes),
                                      ("eviction", disk.evictions), ("skipped", disk.skipped)):
                     disk_events.add_metric([model_id, event], value)
-        yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, drafted)
+        stuck_per_model, killed = self._grammar_failures()
+        stuck = CounterMetricFamily("fastrun_grammar_compiles_stuck", "Grammar compilations abandoned at their time "
+                                    "limit (their threads are lost).", labels=["model"])
+        for model_id, count in stuck_per_model.items():
+            stuck.add_metric([model_id], count)
+        conversions = CounterMetricFamily("fastrun_schema_conversions_killed",
+                                          "Schema-to-grammar conversions killed at their time limit.")
+        conversions.add_metric([], killed)
+        yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, drafted, grammar,
+                    stuck, conversions)

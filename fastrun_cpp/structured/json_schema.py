@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Callable
 
 import jsonschema
+import llama_cpp.llama_grammar
 from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
 
 from fastrun_cpp.structured.grammars import base_grammar
@@ -44,10 +46,46 @@ _STRING_CHAR = BuiltinRule(
     r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])', []
 )
 _PATTERN_DOT = r'[^"\\\x7F\x00-\x1F]'
+_PRIMITIVES = {  # the converter's own rules, replaced
+    "char": _STRING_CHAR,
+    "integral-part": BuiltinRule(f"[0] | [1-9] [0-9]{{0,{_MAX_DIGITS - 1}}}", []),
+    "decimal-part": BuiltinRule(f"[0-9]{{1,{_MAX_DIGITS}}}", []),
+}
 
 
 class SchemaError(ValueError):
     """The schema is invalid, or asks for something a grammar cannot enforce."""
+
+
+def _repetition(item_rule: str, min_items: int, max_items: int | None, separator_rule: str | None = None,
+                item_rule_is_literal: bool = False) -> str:
+    """`item_rule` repeated with GBNF's own `{m,n}` (and `separator_rule` between items).
+
+    The converter's version nests one optional group per allowed item, `(a (a (a)?)?)?`, as
+    deep as the bound: grammar engines refuse or recurse on that; `{m,n}` is flat."""
+    item = f"({item_rule})"
+    if max_items == 0:
+        return '""'
+    if not separator_rule:
+        return item + _times(min_items, max_items)
+    rest = f"({separator_rule} {item_rule})" + _times(max(min_items - 1, 0), None if max_items is None else max_items - 1)
+    return f"{item} {rest}" if min_items > 0 else f"({item} {rest})?"
+
+
+def _times(low: int, high: int | None) -> str:
+    if (low, high) == (0, 1):
+        return "?"
+    if (low, high) == (0, None):
+        return "*"
+    if (low, high) == (1, None):
+        return "+"
+    if low == high:
+        return f"{{{low}}}"
+    return f"{{{low},{'' if high is None else high}}}"
+
+
+# The converter calls the module's function; ours replaces it for every use of the converter.
+llama_cpp.llama_grammar._build_repetition = _repetition
 
 
 def schema_to_gbnf(schema: dict[str, Any], *, strict: bool = True) -> str:
@@ -152,6 +190,44 @@ class _Converter(SchemaConverter):
     def __init__(self, property_order: dict[str, int]) -> None:
         super().__init__(prop_order=property_order, allow_fetch=False, dotall=False, raw_pattern=False)
 
+    def resolve_refs(self, schema: Any, url: str) -> Any:
+        """Record what every local `$ref` points to, the whole schema ("#") included; a schema
+        may refer to itself (a tree, a linked list): its rule then refers to itself."""
+
+        def visit(node: Any) -> None:
+            if isinstance(node, list):
+                for item in node:
+                    visit(item)
+                return
+            if not isinstance(node, dict):
+                return
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                key = url + ref
+                node["$ref"] = key
+                if key not in self._refs:
+                    target = schema
+                    for part in ref[2:].split("/") if ref.startswith("#/") else ():
+                        part = part.replace("~1", "/").replace("~0", "~")
+                        if not isinstance(target, dict) or part not in target:
+                            raise SchemaError(f"$ref {ref!r} points to nothing in the schema")
+                        target = target[part]
+                    self._refs[key] = target
+            for value in node.values():
+                visit(value)
+
+        visit(schema)
+        return schema
+
+    def _resolve_ref(self, ref: str) -> str:
+        # One rule per reference, named after all of it: two tools' "#/$defs/node" stay apart.
+        name = re.sub(r"[^A-Za-z0-9]+", "-", ref).strip("-")
+        if name not in self._rules and ref not in self._refs_being_resolved:
+            self._refs_being_resolved.add(ref)
+            name = self.visit(self._refs[ref], name)
+            self._refs_being_resolved.remove(ref)
+        return name
+
     def visit(self, schema: Any, name: str) -> str:
         if schema is True or schema == {}:
             return super().visit({}, name)
@@ -176,7 +252,7 @@ class _Converter(SchemaConverter):
         return name or "root"
 
     def _add_primitive(self, name: str, rule: BuiltinRule) -> str:
-        return super()._add_primitive(name, _STRING_CHAR if name == "char" else rule)
+        return super()._add_primitive(name, _PRIMITIVES.get(name, rule))
 
     def format_grammar(self) -> str:
         if "dot" in self._rules:  # "." in a pattern: any character a JSON string may hold raw

@@ -88,8 +88,10 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     authenticator = authenticator or authenticator_for(settings)
     registry = registry_from_settings(settings)
     models = OpenAIServingModels([ServedModel(id=config.id, config=config) for config in registry.models])
-    metrics = ServerMetrics(models.engines) if settings.metrics else None
     grammar_builder = GrammarBuilder(settings.limits, hang_on_request=Faults.parse(settings.debug_faults).schema_hang)
+    metrics = ServerMetrics(models.engines, grammar_failures=lambda: (models.grammar_compiles_stuck(),
+                                                                      grammar_builder.killed)) \
+        if settings.metrics else None
     serving_options = dict(
         limits=settings.limits,
         grammar_builder=grammar_builder,
@@ -129,6 +131,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app = FastAPI(title="fastrun-cpp", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     app.state.serving_models = models
+    app.state.grammar_builder = grammar_builder
     app.state.serving_chat = chat = OpenAIServingChat(models, **serving_options)
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)

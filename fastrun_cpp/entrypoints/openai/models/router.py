@@ -25,9 +25,10 @@ async def list_models(models: Annotated[OpenAIServingModels, Depends(serving_mod
 
 
 @health_router.get("/health")
-async def health(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> dict:
+async def health(request: Request, models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> dict:
     """Alive (even while models load), with each model's state and slot load."""
-    return {"status": "ok", "models": models.status()}
+    return {"status": "ok", "models": models.status(),
+            "schema_conversions_killed": request.app.state.grammar_builder.killed}
 
 
 @health_router.get("/ready")

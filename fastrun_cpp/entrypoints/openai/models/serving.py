@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from fastrun_cpp.registry import ModelConfig, SamplingDefaults
 from fastrun_cpp.runtime import EngineClient, ModelRuntime
@@ -74,6 +74,10 @@ class OpenAIServingModels:
     def engines(self) -> list[tuple[str, EngineClient]]:
         return [(m.id, m.engine) for m in self._models.values() if m.engine is not None]
 
+    def grammar_compiles_stuck(self) -> dict[str, int]:
+        """Grammar compilations past their time limit, per model (their threads are lost)."""
+        return {m.id: m.runtime.grammars.stuck for m in self._models.values() if m.runtime is not None}
+
     def status(self) -> dict[str, dict[str, object]]:
         status: dict[str, dict[str, object]] = {}
         for model in self._models.values():
@@ -83,7 +87,7 @@ class OpenAIServingModels:
             if model.engine is not None:
                 busy, waiting = model.engine.load()
                 entry.update(slots=model.engine.slots, busy_slots=busy, waiting=waiting,
-                             stats=vars(model.engine.stats).copy())
+                             stats=asdict(model.engine.stats))
                 stats = model.engine.stats
                 entry["speculation"] = {
                     "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
@@ -94,6 +98,7 @@ class OpenAIServingModels:
                 if disk is not None:
                     entry["disk_cache"] = vars(disk).copy()
                 entry["replicas"] = model.engine.replica_status()
+                entry["grammar_compiles_stuck"] = model.runtime.grammars.stuck
             status[model.id] = entry
         return status
 
