@@ -11,6 +11,10 @@ from fastrun_cpp.default_model import embedded_model_path
 from fastrun_cpp.engine.grammar import GrammarCompiler, GrammarError
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.structured import base_grammar
+from fastrun_cpp.parsers import TOOL_PARSERS
+from fastrun_cpp.parsers.reasoning import ThinkTagParser
+from fastrun_cpp.structured.json_schema import schema_to_gbnf, tool_calls_gbnf
+from fastrun_cpp.structured.reasoning import with_optional_reasoning
 from fastrun_cpp.structured.spec import GrammarSpec
 from tests.json_prefix import assert_json_answer
 
@@ -69,3 +73,28 @@ def test_json_object_grammar_yields_an_object(client, model, prompt):
         temperature=0, response_format={"type": "json_object"},
     )
     assert_json_answer(response.choices[0], dict)
+
+
+TREE = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                        "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["name", "children"]}
+FORCEABLE_PARSERS = sorted(name for name, parser in TOOL_PARSERS.items() if parser().can_force)
+
+
+@pytest.mark.parametrize("parser_name", FORCEABLE_PARSERS)
+def test_tool_call_grammars_run_on_llguidance(compiler, parser_name):
+    """Every grammar the server generates runs on llguidance, not on llama.cpp's fallback."""
+    parser = TOOL_PARSERS[parser_name]()
+    gbnf = tool_calls_gbnf([("save_tree", TREE, True), ("f", {"type": "object"}, False)], parser.call_grammar,
+                           lambda call: parser.calls_grammar(call, at_least=1, at_most=None))
+    assert compiler.compile_now(GrammarSpec(gbnf)).engine == "llguidance"
+
+
+@pytest.mark.parametrize("schema", [TREE, {"type": "string", "format": "email"}, {"type": "number", "minimum": -5},
+                                    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 40}],
+                         ids=["recursive", "email", "bounded-number", "bounded-array"])
+def test_schema_and_think_then_constrain_grammars_run_on_llguidance(compiler, schema):
+    gbnf = schema_to_gbnf(schema)
+    assert compiler.compile_now(GrammarSpec(gbnf)).engine == "llguidance"
+    thinking = with_optional_reasoning(gbnf, ThinkTagParser.opening, ThinkTagParser.answer_marker)
+    assert compiler.compile_now(GrammarSpec(thinking)).engine == "llguidance"

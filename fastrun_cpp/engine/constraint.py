@@ -16,7 +16,7 @@ from typing import Protocol
 import llama_cpp.llama_cpp as llama
 import numpy as np
 
-from fastrun_cpp.engine.sampling import Candidates
+from fastrun_cpp.engine.sampling import Candidates, token_data_array
 
 
 class ConstraintError(RuntimeError):
@@ -82,8 +82,7 @@ class GbnfConstraint:
     def __init__(self, sampler: llama.llama_sampler_p) -> None:
         self._sampler = sampler  # owned
         self._one = np.zeros(1, dtype=Candidates.DTYPE)  # a one-token array for `allows`
-        self._one_array = llama.llama_token_data_array(
-            data=self._one.ctypes.data_as(llama.llama_token_data_p), size=1, selected=-1, sorted=False)
+        self._one_array = token_data_array(self._one)
 
     def allows(self, token: int) -> bool:
         self._one[0] = (token, 0.0, 0.0)

@@ -745,8 +745,11 @@ class Engine:
                     drafts[slot.seq_id] = draft
                     budget -= len(draft)
         # A drafted token the grammar refuses would only be verified to be thrown away.
-        drafts = {seq: draft for seq, draft in ((seq, slots[seq].sampler.valid_draft(draft)) for seq, draft in drafts.items())
-                  if len(draft) >= spec.draft_min}
+        for seq in list(drafts):
+            if valid := slots[seq].sampler.valid_draft(drafts[seq]):
+                drafts[seq] = valid
+            else:
+                del drafts[seq]
         kept = worth_verifying([(seq, len(draft), slots[seq].acceptance.rate) for seq, draft in drafts.items()],
                                len(decoding), self._step_costs)
         for seq in drafts:

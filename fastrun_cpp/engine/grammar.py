@@ -65,9 +65,12 @@ class CompiledGrammar:
         self._matcher = matcher  # llguidance.LLMatcher in its start state, copied per request
         self._prototype = sampler
         self._n_vocab = n_vocab
-        self.engine = "llguidance" if matcher is not None else "llama.cpp"
         # The parsed form takes a few times the text's size; a bound for the cache, not a measure.
         self.nbytes = 8 * len(spec.gbnf) + 4096
+
+    @property
+    def engine(self) -> str:
+        return "llguidance" if self._matcher is not None else "llama.cpp"
 
     @property
     def triggers(self) -> tuple[Trigger, ...]:

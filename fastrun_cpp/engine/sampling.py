@@ -41,6 +41,13 @@ class SamplingParams:
         )
 
 
+def token_data_array(data: np.ndarray) -> llama.llama_token_data_array:
+    """A llama.cpp view of a numpy array of Candidates.DTYPE records (no copy)."""
+    return llama.llama_token_data_array(
+        data=data.ctypes.data_as(llama.llama_token_data_p), size=len(data), selected=-1, sorted=False
+    )
+
+
 class Candidates:
     """Reusable llama_token_data arrays over the vocabulary, filled from logits with numpy
     (used only when a grammar constrains sampling; the scheduler thread owns one)."""
@@ -51,13 +58,7 @@ class Candidates:
         self.n_vocab = n_vocab
         self._ids = np.arange(n_vocab, dtype=np.int32)
         self._all = np.zeros(n_vocab, dtype=self.DTYPE)
-        self._all_array = self._array(self._all)
-
-    @staticmethod
-    def _array(data: np.ndarray) -> llama.llama_token_data_array:
-        return llama.llama_token_data_array(
-            data=data.ctypes.data_as(llama.llama_token_data_p), size=len(data), selected=-1, sorted=False
-        )
+        self._all_array = token_data_array(self._all)
 
     def fill(self, logits: ctypes.POINTER(ctypes.c_float)):
         """All tokens with these logits; samplers may reorder and shrink the array in place."""
@@ -166,10 +167,6 @@ class SamplerChain:
             for token in tokens:
                 llama.llama_sampler_accept(self._penalties, token)
 
-    @property
-    def grammar_engine(self) -> str | None:
-        return self._grammar.engine if self._grammar is not None else None
-
     def valid_draft(self, draft: list[int]) -> list[int]:
         """The part of a draft the grammar accepts (a refused token is never verified)."""
         if self._grammar is None or not draft:
@@ -188,9 +185,10 @@ class SamplerChain:
         logits = llama.llama_get_logits_ith(ctx, batch_index)
         llama.llama_sampler_apply(self._chain, candidates.fill(logits))
         token = candidates.selected()
-        started = time.thread_time()  # the grammar's own CPU work, not time spent waiting for a CPU
-        allowed = self._grammar.allows(token)
-        if not allowed:
+        # The grammar's own CPU work (not the chain's, nor time spent waiting for a CPU).
+        grammar_s = 0.0
+        started = time.thread_time()
+        if not self._grammar.allows(token):
             candidates.fill(logits)
             self._grammar.mask(candidates)
             grammar_s = time.thread_time() - started
@@ -199,9 +197,9 @@ class SamplerChain:
                 self.grammar_ms = grammar_s * 1000
                 return NO_TOKEN  # accepting a refused token would throw inside llama.cpp
             token = candidates.selected()
-            started = time.thread_time() - grammar_s
+            started = time.thread_time()
         self._grammar.accept(token)
-        self.grammar_ms = (time.thread_time() - started) * 1000
+        self.grammar_ms = (grammar_s + time.thread_time() - started) * 1000
         llama.llama_sampler_accept(self._chain, token)
         return token
 
