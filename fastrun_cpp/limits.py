@@ -15,6 +15,10 @@ class Limits(BaseModel):
     content_parts: int = Field(256, ge=1, description="Content parts in one message.")
     tools: int = Field(128, ge=1, description="Tools in a chat request.")
     prompts: int = Field(64, ge=1, description="Prompts in one completions request.")
+    choices: int = Field(
+        128, ge=1, description="Choices in one request (n, and best_of in completions); those beyond the model's "
+        "slots run as slots free up."
+    )
     logit_bias: int = Field(1024, ge=1, description="Entries of logit_bias.")
     stop_length: int = Field(512, ge=1, description="Characters of one stop string.")
     stop_sequences: int = Field(16, ge=1, description="Stop strings in one request (Messages' stop_sequences).")

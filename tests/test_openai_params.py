@@ -5,6 +5,7 @@ fields accepted and ignored."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import jsonschema
@@ -42,6 +43,51 @@ def test_n_choices_share_one_prompt_and_each_is_reproducible(client, model, serv
     assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     again = client.chat.completions.create(model=model, messages=STORY, n=3, seed=11, temperature=1, max_tokens=20)
     assert texts(again) == texts(many)
+
+
+def test_n_beyond_the_slots_runs_in_waves_each_choice_as_if_alone(client, model, server):
+    # The shared server has 4 slots: choices 4..9 run as slots free up, off the cached prompt.
+    before = server.health()["models"][model]["stats"]["prompt_tokens"]
+    many = client.chat.completions.create(model=model, messages=STORY, n=10, seed=11, temperature=1, max_tokens=12)
+    after = server.health()["models"][model]["stats"]["prompt_tokens"]
+    assert sorted(c.index for c in many.choices) == list(range(10))
+    assert after - before == many.usage.prompt_tokens  # counted once, for the whole request
+    for i in (0, 4, 9):  # choice i: seed + i, in whichever wave it ran
+        single = client.chat.completions.create(model=model, messages=STORY, seed=11 + i, temperature=1, max_tokens=12)
+        assert texts(many)[i] == single.choices[0].message.content
+    best = client.completions.create(model=model, prompt="My favourite animal is", n=1, best_of=6, seed=3,
+                                     temperature=1, max_tokens=3)
+    assert len(best.choices) == 1 and best.usage.completion_tokens >= 6  # six answers of at most 3 tokens
+
+
+def test_n_over_the_limit_names_the_limit(http, model):
+    response = http.post("/chat/completions", json={"model": model, "messages": STORY, "n": 129})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "--limit-choices" in error["message"] and "slot" not in error["message"]
+
+
+def test_choices_beyond_the_slots_take_turns_with_other_requests(tmp_path):
+    # One slot: a request's later choices queue behind a request that came in meanwhile.
+    with run_server("--slots", "1", "--ctx-size", "1024", log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        finished: dict[int, str] = {}
+        seen_when_other_finished: list[int] = []
+        other = threading.Thread(target=lambda: (
+            client.chat.completions.create(model=DEFAULT_MODEL, messages=STORY, max_tokens=4),
+            seen_when_other_finished.append(len(finished))))
+        texts_by_choice = {i: "" for i in range(4)}
+        for chunk in client.chat.completions.create(model=DEFAULT_MODEL, messages=STORY, n=4, temperature=0,
+                                                    max_tokens=40, stream=True):
+            if chunk.choices and other.ident is None:  # choice 0 is running
+                other.start()
+            for choice in chunk.choices:
+                texts_by_choice[choice.index] += choice.delta.content or ""
+                if choice.finish_reason:
+                    finished[choice.index] = choice.finish_reason
+        other.join()
+    assert seen_when_other_finished and seen_when_other_finished[0] < 4
+    assert len(set(texts_by_choice.values())) == 1  # greedy: every wave gives the same answer
 
 
 def test_n_streamed_adds_up_to_the_non_streamed_choices(client, model):
@@ -200,6 +246,28 @@ def test_required_ends_when_the_model_ends_or_repeats_its_calls(client, model):
     assert response.usage.completion_tokens < 160
     for name, arguments in calls:
         jsonschema.validate(arguments, SCHEMAS[name])
+
+
+CITY_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_required_call_ends_with_tool_calls_though_tokens_remain_short(client, model, seed):
+    """Once its call is complete, the model may write more calls in the tokens left; a call
+    certain to repeat ends the answer, and one cut by max_tokens was never sent: either way
+    the answer is its complete calls (the SDK raises LengthFinishReasonError on "length")."""
+    with client.chat.completions.stream(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                        tools=[CITY_WEATHER], tool_choice="required", max_tokens=60,
+                                        seed=seed) as stream:
+        completion = stream.get_final_completion()
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = [json.loads(call.function.arguments) for call in choice.message.tool_calls]
+    assert calls and len(calls) == len({json.dumps(c, sort_keys=True) for c in calls})
+    for arguments in calls:
+        jsonschema.validate(arguments, CITY_WEATHER["function"]["parameters"])
 
 
 def stream_answer(client, model, **request):

@@ -139,3 +139,56 @@ def test_parsers_are_chosen_from_the_chat_template():
 def test_think_parser_sees_a_prompt_that_opened_the_reasoning():
     assert ThinkTagParser().starts_in_reasoning("<|im_start|>assistant\n<think>\n")
     assert not ThinkTagParser().starts_in_reasoning("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------ a call that repeats an earlier one
+
+FIRST_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+SECOND_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def _fed_until_stop(parser: ChatOutputParser, text: str) -> int | None:
+    """Feeds `text` character by character; how much of it was fed when the parser asked to stop."""
+    for position in range(1, len(text) + 1):
+        parser.feed(text[position - 1])
+        if parser.stop_requested:
+            return position
+    return None
+
+
+def test_a_call_certain_to_repeat_stops_before_it_closes():
+    # The grammar allows only "city": once its value is finished, only the closing can follow.
+    parser = ChatOutputParser(tools=FallbackToolParser(), closed_keys={"get_weather": frozenset({"city"})})
+    stopped_at = _fed_until_stop(parser, FIRST_CALL + SECOND_CALL)
+    assert stopped_at == len(FIRST_CALL) + SECOND_CALL.index('"Oslo"') + len('"Oslo"')
+    assert parser.ended_with_calls
+    assert [call.arguments for _, call in parser.result().tool_calls] == ['{"city": "Oslo"}']
+
+
+@pytest.mark.parametrize("second, closed_keys", [
+    ('{"city": "Oslo City"}', {"get_weather": frozenset({"city"})}),  # a prefix of the value is not the value
+    ('{"city": "Oslo", "unit": "c"}', None),  # other keys may come: only the whole call tells
+    ('{"city": "Oslo", "unit": "c"}', {"get_weather": frozenset({"city", "unit"})}),
+])
+def test_a_call_that_may_still_differ_is_not_stopped_early(second, closed_keys):
+    parser = ChatOutputParser(tools=FallbackToolParser(), closed_keys=closed_keys)
+    text = FIRST_CALL + '<tool_call>\n{"name": "get_weather", "arguments": ' + second + '}\n</tool_call>'
+    assert _fed_until_stop(parser, text) is None
+    assert [call.arguments for _, call in parser.result().tool_calls] == ['{"city": "Oslo"}', second]
+
+
+def test_a_number_is_not_finished_until_something_follows_it():
+    parser = ChatOutputParser(tools=FallbackToolParser(), closed_keys={"f": frozenset({"n"})})
+    call = '<tool_call>\n{"name": "f", "arguments": {"n": 12}}\n</tool_call>\n'
+    text = call + call.replace("12", "123")
+    assert _fed_until_stop(parser, text) is None
+    assert len(parser.result().tool_calls) == 2
+
+
+def test_an_answer_cut_inside_an_unsent_later_call_ended_with_its_calls():
+    parser = ChatOutputParser(tools=FallbackToolParser())
+    parser.feed(FIRST_CALL + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ber', final=True)
+    assert parser.ended_with_calls  # what was sent is one complete call
+    cut_first = ChatOutputParser(tools=FallbackToolParser())
+    cut_first.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ber', final=True)
+    assert not cut_first.ended_with_calls  # the call sent is cut: finish_reason stays "length"

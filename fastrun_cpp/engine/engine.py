@@ -76,8 +76,17 @@ class PromptTooLongError(EngineError, ValueError):
     pass
 
 
-class ChoicesError(EngineError, ValueError):
-    """More choices asked for than the engine has slots."""
+@dataclass
+class _Waiting:
+    """A queued request and the choices of it not started yet. A request with more choices
+    than slots runs them in waves: the first takes as many slots as there are (the prompt is
+    evaluated once for all of them), later ones start as slots free up and find the prompt's
+    KV in the cache."""
+
+    request: GenerationRequest
+    grammar: CompiledGrammar | None
+    pending: list[int]  # choice indices, in order
+    started: bool = False
 
 
 @dataclass
@@ -227,7 +236,7 @@ class Engine:
                 batch_size=config.batch_size, config=config.speculation)
         self._candidates = Candidates(model.n_vocab)
         self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
-        self._waiting: deque[tuple[GenerationRequest, CompiledGrammar | None]] = deque()
+        self._waiting: deque[_Waiting] = deque()
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._embedder: Embedder | None = None  # made at the first embedding request
         self._embed_jobs: deque[_EmbedJob] = deque()
@@ -243,9 +252,10 @@ class Engine:
         self._faults = faults or Faults()
 
         self._lock = threading.Condition()
-        self._inbox: list[tuple[GenerationRequest, CompiledGrammar | None]] = []
+        self._inbox: list[_Waiting] = []
         self._aborts: set[tuple[str, int | None]] = set()
-        self._outstanding = 0  # requests added and not yet finished (guarded by _lock)
+        self._outstanding = 0  # choices added and not yet finished (guarded by _lock)
+        self._unfinished: dict[str, int] = {}  # choices not yet finished, by request (guarded by _lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
 
@@ -288,17 +298,23 @@ class Engine:
             self.check_prompt(len(request.prompt_tokens))
         if (grammar is None) != (request.grammar is None):
             raise ValueError("a request with a grammar needs it compiled")
-        if request.n > self.config.slots:
-            raise ChoicesError(f"n={request.n} choices need as many slots, and this engine has {self.config.slots}")
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
-            # Counted in slots: each choice of a request takes one.
-            if self._outstanding + request.n > self.config.slots + self.config.max_queue:
+            # Counted in places: each choice running or waiting takes one, and choices beyond
+            # the slot count run in later waves of the request's own places.
+            if self._places() + self._places_of(request.n) > self.config.slots + self.config.max_queue:
                 raise CapacityError(self.retry_after_s())
             self._outstanding += request.n
-            self._inbox.append((request, grammar))
+            self._unfinished[request.request_id] = self._unfinished.get(request.request_id, 0) + request.n
+            self._inbox.append(_Waiting(request, grammar, list(range(request.n))))
             self._lock.notify()
+
+    def _places_of(self, choices: int) -> int:
+        return min(choices, self.config.slots)
+
+    def _places(self) -> int:
+        return sum(self._places_of(choices) for choices in self._unfinished.values())
 
     def retry_after_s(self) -> int:
         """When a slot is likely to be free for one more request, from the current decode rate."""
@@ -425,10 +441,16 @@ class Engine:
         if not self._unsent:
             return
         outputs, self._unsent = self._unsent, []
-        finished = sum(1 for output in outputs if output.finished)
+        finished = [output.request_id for output in outputs if output.finished]
         if finished:
             with self._lock:
-                self._outstanding -= finished
+                self._outstanding -= len(finished)
+                for request_id in finished:
+                    left = self._unfinished.get(request_id, 0) - 1
+                    if left > 0:
+                        self._unfinished[request_id] = left
+                    else:
+                        self._unfinished.pop(request_id, None)
         try:
             self._output_handler(outputs)
         except Exception:
@@ -437,11 +459,16 @@ class Engine:
     def _abort(self, aborts: set[tuple[str, int | None]]) -> list[GenerationOutput]:
         whole = {request_id for request_id, index in aborts if index is None}
         outputs = []
-        for item in [item for item in self._waiting if item[0].request_id in whole]:
-            self._waiting.remove(item)
-            request = item[0]
-            outputs += [GenerationOutput(request.request_id, index=index, finish_reason=FinishReason.ABORTED)
-                        for index in range(request.n)]
+        for item in list(self._waiting):
+            request_id = item.request.request_id
+            stopped = item.pending if request_id in whole else [i for i in item.pending if (request_id, i) in aborts]
+            if not stopped:
+                continue
+            outputs += [GenerationOutput(request_id, index=index, finish_reason=FinishReason.ABORTED)
+                        for index in stopped]
+            item.pending = [index for index in item.pending if index not in stopped]
+            if not item.pending:
+                self._waiting.remove(item)
         for job in [job for job in self._embed_jobs if job.request.request_id in whole]:
             self._embed_jobs.remove(job)
             outputs.append(GenerationOutput(job.request.request_id, finish_reason=FinishReason.ABORTED))
@@ -454,24 +481,35 @@ class Engine:
         return outputs
 
     def _admit(self) -> None:
-        # First come, first served: a request with n choices waits until n slots are free;
-        # embeddings need no slot (they run in a context of their own, between steps).
+        # First come, first served: a request's first wave of choices waits until that many
+        # slots are free (at most all of them); a later wave starts on whatever slots are free
+        # and then goes to the back of the queue with the choices still to run, so one
+        # request's many choices take turns with the requests behind it. Embeddings need no
+        # slot (they run in a context of their own, between steps).
         while self._waiting:
-            if self._waiting[0][0].kind == "embed":
-                self._embed_jobs.append(_EmbedJob(self._waiting.popleft()[0]))
+            item = self._waiting[0]
+            if item.request.kind == "embed":
+                self._embed_jobs.append(_EmbedJob(self._waiting.popleft().request))
                 continue
-            if sum(slot.is_free for slot in self._slots) < self._waiting[0][0].n:
+            free = sum(slot.is_free for slot in self._slots)
+            if free < (1 if item.started else self._places_of(len(item.pending))):
                 break
-            request, grammar = self._waiting.popleft()
+            self._waiting.popleft()
+            first_wave, item.started = not item.started, True
+            wave, item.pending = item.pending[:free], item.pending[free:]
+            if item.pending:
+                self._waiting.append(item)
             try:
-                self._start(request, grammar)
+                self._start(item.request, item.grammar, wave, first_wave=first_wave)
             except Exception as exc:  # a request that cannot start fails alone
-                logger.exception("could not start request %s", request.request_id)
+                logger.exception("could not start request %s", item.request.request_id)
                 for slot in self._slots:
-                    if slot.request is request:
+                    if slot.request is item.request:
                         self._release(slot)
-                self._unsent += [GenerationOutput(request.request_id, index=index, finish_reason=FinishReason.ERROR,
-                                                  error=str(exc)) for index in range(request.n)]
+                if item.pending:
+                    self._waiting.remove(item)
+                self._unsent += [GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR,
+                                                  error=str(exc)) for index in wave + item.pending]
 
     def _embed_step(self) -> list[GenerationOutput]:
         """Embed the oldest job's next inputs, up to one batch of tokens (at least one input),
@@ -501,7 +539,10 @@ class Engine:
         return [GenerationOutput(request.request_id, finish_reason=FinishReason.STOP,
                                  prompt_tokens=sum(map(len, inputs)), embeddings=job.vectors)]
 
-    def _start(self, request: GenerationRequest, grammar: CompiledGrammar | None) -> None:
+    def _start(self, request: GenerationRequest, grammar: CompiledGrammar | None, choices: list[int],
+               first_wave: bool) -> None:
+        """Start `choices` of the request, one slot each: the leader evaluates the prompt (what
+        no cache holds of it), the others copy its KV."""
         prompt = request.prompt_tokens
         free = [slot for slot in self._slots if slot.is_free]
         # Longest shared prefix wins; ties and misses go to the least recently used slot.
@@ -514,12 +555,13 @@ class Engine:
             llama.llama_memory_seq_rm(self._memory, leader.seq_id, -1, -1)
             leader.forget_cache()
             source, reused = "miss", 0
-        self._count(request, leader, source if reused else "miss", reused)
+        if first_wave:  # later waves are the same request: counted once
+            self._count(request, leader, source if reused else "miss", reused)
         room = self.config.ctx_size - len(prompt)
         max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self._clock += 1
-        followers = sorted((s for s in free if s is not leader), key=lambda s: s.last_used)[: request.n - 1]
-        for index, slot in enumerate([leader, *followers]):
+        followers = sorted((s for s in free if s is not leader), key=lambda s: s.last_used)[: len(choices) - 1]
+        for index, slot in zip(choices, [leader, *followers]):
             if slot is not leader:
                 self._save(slot)  # its KV is about to be replaced by a copy of the prompt's
                 llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
@@ -527,6 +569,7 @@ class Engine:
             slot.start(
                 request,
                 index=index,
+                leader=slot is leader,
                 reused=reused if slot is leader else len(prompt),
                 max_tokens=max_tokens,
                 sampler=self._sampler(request, grammar, index),
@@ -957,8 +1000,8 @@ class Engine:
 
     def _fail_all(self, message: str) -> list[GenerationOutput]:
         outputs = [
-            GenerationOutput(r.request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
-            for r, _ in list(self._waiting) + self._inbox for index in range(r.n)
+            GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
+            for item in list(self._waiting) + self._inbox for index in item.pending
         ]
         outputs += [GenerationOutput(job.request.request_id, finish_reason=FinishReason.ERROR, error=message)
                     for job in self._embed_jobs]

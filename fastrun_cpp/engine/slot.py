@@ -61,6 +61,7 @@ class Slot:
         request: GenerationRequest,
         *,
         index: int,
+        leader: bool,
         reused: int,
         max_tokens: int,
         sampler: SamplerChain,
@@ -71,13 +72,13 @@ class Slot:
         acceptance: float = 1.0,
     ) -> None:
         """Take a request's choice `index`; the first `reused` prompt tokens are in the KV
-        already (a follower, which waits for the leader's prompt, counts all of them)."""
+        already (a follower, which waits for its leader's prompt, counts all of them)."""
         self.request = request
         self.index = index
         self.admitted_at = admitted_at
-        self.cache_tokens = request.prompt_tokens[:reused] if index == 0 else []
+        self.cache_tokens = request.prompt_tokens[:reused] if leader else []
         self.prompt_cursor = reused
-        self.cached_tokens = reused if index == 0 else 0
+        self.cached_tokens = reused if leader else 0
         self.max_tokens = max_tokens
         self.n_generated = 0
         self.pending_token = None

@@ -37,10 +37,12 @@ class ChatOutputParser:
         starts_in_reasoning: bool = False,
         tools: ToolParser | None = None,
         max_calls: int | None = None,
+        closed_keys: dict[str, frozenset[str]] | None = None,
     ) -> None:
         self._reasoning = reasoning
         self._starts_in_reasoning = starts_in_reasoning
-        self._tools = ToolCallStreamer(tools, max_calls=max_calls) if tools is not None else None
+        self._tools = (ToolCallStreamer(tools, max_calls=max_calls, closed_keys=closed_keys)
+                       if tools is not None else None)
         self._text = ""
         self._reasoning_sent = 0
         self._reasoning_text = ""
@@ -73,6 +75,11 @@ class ChatOutputParser:
     def stop_requested(self) -> bool:
         """The answer is complete though the model goes on (a repeated or one call too many)."""
         return self._tools is not None and self._tools.stop_requested
+
+    @property
+    def ended_with_calls(self) -> bool:
+        """The answer sent is complete tool calls, whatever the model was writing after them."""
+        return self._tools is not None and self._tools.ended_with_calls
 
     def result(self) -> ChatOutput:
         """The answer after the final feed: exactly what the deltas added up to."""

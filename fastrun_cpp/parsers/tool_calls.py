@@ -355,15 +355,23 @@ class ToolCallStreamer:
     the answer was cut inside it (finish_reason "length" tells the client). The first call
     streams as it is generated; later ones are sent once complete, so that a call repeating an
     earlier one identically - a small model looping, not a parallel call - is never sent: it
-    ends the answer instead (`stop_requested`). So does the last call allowed (`max_calls`).
+    ends the answer instead (`stop_requested`), as soon as it is certain to be a repeat. So
+    does the last call allowed (`max_calls`).
+
+    `closed_keys` names, per function, the argument keys a grammar lets a call have (no
+    others): a call holding all of them, each value finished, can only close, so a repeat is
+    certain before the model spends tokens closing it.
     """
 
-    def __init__(self, parser: ToolParser, *, max_calls: int | None = None) -> None:
+    def __init__(self, parser: ToolParser, *, max_calls: int | None = None,
+                 closed_keys: dict[str, frozenset[str]] | None = None) -> None:
         self.parser = parser
         self.max_calls = max_calls
+        self.closed_keys = closed_keys or {}
         self._content_sent = 0
         self._calls: list[list] = []  # [id, name, arguments sent, complete] per call sent
         self.stop_requested = False
+        self._holding = False  # a later call is being written, not sent yet
         self.content = ""
 
     def update(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
@@ -375,6 +383,7 @@ class ToolCallStreamer:
         self._content_sent = max(self._content_sent, len(parse.content))
         self.content += content
         deltas: list[ToolCallDelta] = []
+        self._holding = False
         for index, call in enumerate(parse.calls):
             if self.stop_requested or call.name is None:
                 break
@@ -382,12 +391,12 @@ class ToolCallStreamer:
                 self.stop_requested = True
                 break
             if index >= len(self._calls):
-                if index > 0 and not call.complete:
-                    break  # later calls go out whole (see above)
-                if index > 0 and any(c[3] and c[1] == call.name and _same_json(c[2], call.arguments)
-                                     for c in self._calls):
+                if index > 0 and self._repeats_a_sent_call(call):
                     self.stop_requested = True
                     break
+                if index > 0 and not call.complete:
+                    self._holding = True
+                    break  # later calls go out whole (see above)
                 self._calls.append([new_call_id(), call.name, "", False])
                 deltas.append(ToolCallDelta(index, id=self._calls[index][0], name=call.name))
             sent = self._calls[index]
@@ -404,10 +413,45 @@ class ToolCallStreamer:
         return content, deltas
 
     @property
+    def ended_with_calls(self) -> bool:
+        """Whether the answer, as sent, is complete calls: the model was stopped after them, or
+        is cut (by max_tokens) inside a later call that was never sent."""
+        return self.stop_requested or (self._holding and all(sent[3] for sent in self._calls))
+
+    def _repeats_a_sent_call(self, call: ParsedToolCall) -> bool:
+        """Whether `call` is, or can only become, a complete call already sent."""
+        if call.complete:
+            arguments = call.arguments
+        elif call.name in self.closed_keys:
+            settled = _settled_object(call.arguments)
+            if settled is None or set(settled) != self.closed_keys[call.name]:
+                return False
+            arguments = json.dumps(settled)
+        else:
+            return False
+        return any(sent[3] and sent[1] == call.name and _same_json(sent[2], arguments) for sent in self._calls)
+
+    @property
     def calls(self) -> list[tuple[str, ParsedToolCall]]:
         """The calls sent so far: (id, call), complete or cut short."""
         return [(call_id, ParsedToolCall(name, arguments, complete))
                 for call_id, name, arguments, complete in self._calls]
+
+
+def _settled_object(text: str) -> dict | None:
+    """The object an unfinished JSON object's text holds when every value in it is finished
+    (only a comma, a key or the closing brace could come next), else None. A trailing number
+    is not finished: more digits may follow."""
+    body = text.rstrip()
+    if not body or body[-1].isdigit():
+        return None
+    for candidate in (body, body + "}"):
+        try:
+            value = json.loads(candidate)
+        except (ValueError, RecursionError):
+            continue
+        return value if isinstance(value, dict) else None
+    return None
 
 
 def _same_json(a: str, b: str) -> bool:

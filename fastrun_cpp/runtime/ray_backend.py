@@ -29,7 +29,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from fastrun_cpp.engine.disk_cache import DiskStats
-from fastrun_cpp.engine.engine import CapacityError, ChoicesError, EngineStats, PromptTooLongError
+from fastrun_cpp.engine.engine import CapacityError, EngineStats, PromptTooLongError
 from fastrun_cpp.engine.grammar import GrammarCompiler, GrammarError
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest, RequestRejected
@@ -326,7 +326,7 @@ class RayStream:
 def _cause(exc: BaseException) -> BaseException:
     """The exception a replica raised, out of Ray's wrapper."""
     cause = getattr(exc, "cause", None) or exc
-    if isinstance(cause, (CapacityError, ChoicesError, PromptTooLongError, GrammarError, EngineError)):
+    if isinstance(cause, (CapacityError, PromptTooLongError, GrammarError, EngineError)):
         return cause
     return EngineError(f"the replica failed: {cause}")
 

@@ -103,6 +103,20 @@ def schema_to_gbnf(schema: dict[str, Any], *, strict: bool = True) -> str:
     return converter.format_grammar()
 
 
+def closed_object_keys(schema: Any) -> frozenset[str] | None:
+    """The argument keys an object this schema's grammar accepts can have, when the grammar
+    allows no others (`properties` and no `additionalProperties`, as the converter writes an
+    object); None when other keys or other shapes may appear."""
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        return None
+    properties = schema.get("properties")
+    if not isinstance(properties, dict) or schema.get("additionalProperties", False) is not False:
+        return None
+    if any(key in schema for key in ("$ref", "anyOf", "oneOf", "allOf", "const", "enum", "patternProperties")):
+        return None
+    return frozenset(properties)
+
+
 def _checked(schema: Any, where: str, *, invalid: str, strict: bool) -> Any:
     """`schema` if it is valid JSON Schema whose every keyword a grammar enforces; with
     `strict` off, a copy without the keywords it cannot. Raises SchemaError (`invalid` starts

@@ -183,7 +183,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    n: Annotated[int, Field(ge=1, le=8)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None  # bounded by --limit-choices
     speculative: bool | None = None  # false: no speculative decoding for this request
     # Accepted and ignored (README: OpenAI parameters).
     user: str | None = None
@@ -278,8 +278,8 @@ class CompletionRequest(SamplingFields):
     seed: int | None = None  # the spec's completions seed has no bounds (taken modulo 2**32 - 1)
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     logit_bias: LogitBias | None = None
-    n: Annotated[int, Field(ge=1, le=8)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=8)] | None = None  # >= n; the n with the best mean logprob
+    n: Annotated[int, Field(ge=1)] | None = None  # bounded by --limit-choices
+    best_of: Annotated[int, Field(ge=1)] | None = None  # >= n; the n with the best mean logprob
     echo: bool = False  # the prompt comes back in front of each answer
     suffix: str | None = None  # fill in the middle, between prompt and suffix
     speculative: bool | None = None  # false: no speculative decoding for this request

@@ -26,7 +26,6 @@ from fastrun_cpp.engine import (
     RequestTimedOut,
     SamplingParams,
 )
-from fastrun_cpp.engine.engine import ChoicesError
 from fastrun_cpp.engine.grammar import GrammarError
 from fastrun_cpp.engine.request import RequestRejected
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
@@ -99,6 +98,10 @@ def _check_shape(body: dict[str, Any], limits: Limits) -> None:
     at_most("tools", body.get("tools"), limits.tools, "tools")
     at_most("prompts", body.get("prompt"), limits.prompts, "prompt")
     at_most("logit_bias", body.get("logit_bias"), limits.logit_bias, "logit_bias")
+    for field in ("n", "best_of"):
+        choices = body.get(field)
+        if isinstance(choices, int) and choices > limits.choices:
+            raise LimitExceeded("choices", f"{field} is {choices}, over {limits.choices} choices per request")
     stop = body.get("stop", body.get("stop_sequences"))
     at_most("stop", stop, limits.stop_sequences, "stop")
     for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
@@ -269,8 +272,6 @@ class OpenAIServing:
             stream = await served.engine.submit(request)
         except GrammarError as exc:
             raise bad_request(f"the grammar: {exc}") from exc
-        except ChoicesError as exc:
-            raise bad_request(f"n: {exc}") from exc
         except CapacityError as exc:
             raise APIError(429, AT_CAPACITY, "rate_limit_error", retry_after=exc.retry_after_s) from exc
         except PromptTooLongError as exc:

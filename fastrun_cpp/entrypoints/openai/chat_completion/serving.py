@@ -43,7 +43,7 @@ from fastrun_cpp.parsers import ReasoningParser, ToolFunction, ToolParser
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
 from fastrun_cpp.parsers.tool_calls import FallbackToolParser
 from fastrun_cpp.runtime import EngineStream, ModelRuntime
-from fastrun_cpp.structured import base_grammar
+from fastrun_cpp.structured import base_grammar, closed_object_keys
 from fastrun_cpp.structured.builder import BuildError
 from fastrun_cpp.structured.reasoning import with_optional_reasoning
 from fastrun_cpp.structured.spec import GrammarSpec, Trigger
@@ -113,10 +113,11 @@ class _Plan:
     grammar: GrammarSpec | None = None
     lenient_schemas: dict[str, Any] | None = None  # function name -> parameters, validated after
     lenient_response_schema: dict[str, Any] | None = None
+    closed_keys: dict[str, frozenset[str]] | None = None  # function -> the only argument keys its grammar allows
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(reasoning=self.reasoning_parser, starts_in_reasoning=self.starts_in_reasoning,
-                                tools=self.tool_parser, max_calls=self.max_calls)
+                                tools=self.tool_parser, max_calls=self.max_calls, closed_keys=self.closed_keys)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -281,6 +282,9 @@ class OpenAIServingChat(OpenAIServing):
             except BuildError as exc:
                 raise bad_request(f"tools: {exc}") from exc
             plan.lenient_schemas = {f.name: f.parameters for f in functions if not f.strict and f.parameters}
+            plan.closed_keys = {f.name: keys for f in functions
+                                if (keys := closed_object_keys(f.parameters or {"type": "object", "properties": {}}))
+                                is not None}
             triggers = tool_parser.lazy_triggers() if lazy_tools else ()
             spec = GrammarSpec(gbnf, triggers)
             field = "tools"
@@ -328,8 +332,8 @@ class OpenAIServingChat(OpenAIServing):
                 logger.warning("response_format: the answer does not follow the full schema: %s", problem)
 
     @staticmethod
-    def _finish_reason(reason: FinishReason | None, has_calls: bool, stopped: bool) -> str | None:
-        if stopped or (has_calls and reason is FinishReason.STOP):
+    def _finish_reason(reason: FinishReason | None, has_calls: bool, ended_with_calls: bool) -> str | None:
+        if ended_with_calls or (has_calls and reason is FinishReason.STOP):
             return "tool_calls"
         return openai_finish_reason(reason)
 
@@ -366,7 +370,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatCompletionChoice(
                 index=result.index,
                 message=ChatResponseMessage(content=content, reasoning=answer.reasoning, tool_calls=tool_calls or None),
-                finish_reason=self._finish_reason(result.finish_reason, bool(tool_calls), result.index in stopped),
+                finish_reason=self._finish_reason(result.finish_reason, bool(tool_calls),
+                                                  parsers[result.index].ended_with_calls),
                 logprobs=logprobs,
                 stop_sequence=result.stop_sequence,
             ))
@@ -408,7 +413,7 @@ class OpenAIServingChat(OpenAIServing):
                     events.append(chunk(index, tail))
             answer = parser.result()
             self._check_after(plan, answer.content, answer.tool_calls)
-            reason = self._finish_reason(output.finish_reason, bool(answer.tool_calls), index in stopped)
+            reason = self._finish_reason(output.finish_reason, bool(answer.tool_calls), parser.ended_with_calls)
             events.append(chunk(index, ChatDelta(), reason, stop=output.stop_sequence))
             return events
 
