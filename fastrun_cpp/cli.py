@@ -101,7 +101,11 @@ def serve(overrides: dict[str, Any]) -> int:
     if not cpu_supports_build():
         return 2
     try:
-        registry_from_settings(settings)
+        registry = registry_from_settings(settings)
+        if settings.backend != "ray":
+            from fastrun_cpp.runtime.model_runtime import check_kernel_modes
+
+            check_kernel_modes(registry.models)
     except (ModelNotFoundError, ValueError, OSError) as exc:  # bad --model or models file
         logger.error("%s", exc)
         return 2

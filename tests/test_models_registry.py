@@ -8,10 +8,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fastrun_cpp.default_model import embedded_model_path
 from fastrun_cpp.registry import load_registry
+from fastrun_cpp.runtime.model_runtime import engine_config
 from tests.server import DEFAULT_MODEL, run_server, wait_until
 
 EXAMPLE = Path(__file__).parents[1] / "models" / "registry.example.toml"
+DEFAULT_MODEL_PATH = embedded_model_path()
 
 
 def test_the_example_registry_is_valid():
@@ -30,6 +33,9 @@ def test_bad_registries_are_refused_at_startup(tmp_path):
         "duplicate.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\n[[models]]\nid = "{DEFAULT_MODEL}"\n',
         "no-source.toml": '[[models]]\nid = "mystery"\n',
         "typo.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\nslotz = 3\n',
+        # GGML_CPU_TILED_MM is read once per process: one process has one kernel set.
+        "mixed-kernels.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\n'
+                              f'[[models]]\nid = "fast"\npath = "{DEFAULT_MODEL_PATH}"\ndeterministic = false\n',
     }
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
@@ -37,6 +43,16 @@ def test_bad_registries_are_refused_at_startup(tmp_path):
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, name
         assert "error" in result.stderr.lower() or "invalid" in result.stderr.lower(), result.stderr
+    assert "GGML_CPU_TILED_MM" in result.stderr and "fast" in result.stderr, result.stderr
+
+
+def test_deterministic_models_keep_their_products_on_the_cpu():
+    """On a CUDA build llama.cpp would run large batches' products of CPU-held weights on the
+    GPU, whose kernels depend on the batch size: deterministic mode turns that off."""
+    registry = load_registry(EXAMPLE)
+    config = next(model for model in registry.models if model.id == DEFAULT_MODEL)
+    assert engine_config(config.model_copy(update={"deterministic": True}), threads=2).op_offload is False
+    assert engine_config(config.model_copy(update={"deterministic": False}), threads=2).op_offload is True
 
 
 def complete(server, model: str, prompt: str = "Once upon a time", **extra) -> dict:

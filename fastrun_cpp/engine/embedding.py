@@ -36,8 +36,9 @@ def model_pooling(model: LlamaModel, configured: str | None) -> str:
 
 class Embedder:
     def __init__(self, model: LlamaModel, *, pooling: str, max_tokens: int, threads: int,
-                 flash_attn: int, type_k: int, type_v: int) -> None:
+                 flash_attn: int, type_k: int, type_v: int, op_offload: bool = True) -> None:
         params = llama.llama_context_default_params()
+        params.op_offload = op_offload
         params.embeddings = True
         params.pooling_type = POOLING[pooling]
         # Pooling reads every token of a sequence in one micro-batch.

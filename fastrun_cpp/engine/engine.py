@@ -118,6 +118,10 @@ class EngineConfig:
     flash_attn: str  # auto / on / off
     cache_type_k: str  # KV cache data types
     cache_type_v: str
+    # Whether llama.cpp may run large batches' products of CPU-held weights on a GPU (its
+    # kernels there depend on the batch size): off in deterministic mode, so a CUDA build
+    # serving a model on the CPU stays batch-invariant.
+    op_offload: bool = True
     grammar_step_ms: float = 10.0  # a grammar taking longer for one token (128k vocabulary) ends its request
     embeddings: bool = False  # serves embeddings too
     embedding_pooling: str | None = None  # mean / cls / last; unset: the GGUF's, else mean
@@ -220,6 +224,7 @@ class Engine:
         params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
         params.type_k = _CACHE_TYPES[config.cache_type_k]
         params.type_v = _CACHE_TYPES[config.cache_type_v]
+        params.op_offload = config.op_offload
         params.no_perf = True
         self._ctx = llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
@@ -524,7 +529,8 @@ class Engine:
                     self.model, pooling=model_pooling(self.model, self.config.embedding_pooling),
                     max_tokens=self.config.ctx_size,
                     threads=self.config.threads, flash_attn=_FLASH_ATTN[self.config.flash_attn],
-                    type_k=_CACHE_TYPES[self.config.cache_type_k], type_v=_CACHE_TYPES[self.config.cache_type_v])
+                    type_k=_CACHE_TYPES[self.config.cache_type_k], type_v=_CACHE_TYPES[self.config.cache_type_v],
+                    op_offload=self.config.op_offload)
             while len(job.vectors) < len(inputs) and (budget > 0 or not job.vectors):
                 tokens = inputs[len(job.vectors)]
                 job.vectors.append(self._embedder.embed(tokens))

@@ -127,6 +127,7 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
         flash_attn="on" if deterministic else config.gpu.flash_attn,
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
+        op_offload=not deterministic,
         grammar_step_ms=(limits or Limits()).grammar_step_ms,
         embeddings=config.embeddings,
         embedding_pooling=config.embedding_pooling,
@@ -151,9 +152,40 @@ def load_weights(config: ModelConfig, path: Path) -> list[LlamaModel]:
     return [model] * config.replica_count
 
 
+# The CPU kernel set of this process, fixed by its first model: ggml reads GGML_CPU_TILED_MM
+# once per process, at the first matrix product, so it cannot differ between models.
+_process_deterministic: bool | None = None
+
+
+def mixed_kernels_error(modes: dict[str, bool]) -> str | None:
+    """Why these models (id -> deterministic) cannot share one process, if they cannot."""
+    if len(set(modes.values())) < 2:
+        return None
+    exact = sorted(model for model, deterministic in modes.items() if deterministic)
+    fast = sorted(model for model, deterministic in modes.items() if not deterministic)
+    return (f"deterministic models ({', '.join(exact)}) and models on the fastest kernels ({', '.join(fast)}) "
+            "cannot share one server process: llama.cpp's kernel switch (GGML_CPU_TILED_MM) is process-wide. "
+            "Give them all the same `deterministic` setting, serve them from two servers, or use --backend ray "
+            "(a process per replica)")
+
+
+def check_kernel_modes(configs: list[ModelConfig]) -> None:
+    """Refuse, before anything loads, a local server mixing deterministic and fastest-kernel
+    models (a model on a GPU counts as fastest: its CPU work takes the tiled kernels)."""
+    problem = mixed_kernels_error({config.id: is_deterministic(config) for config in configs})
+    if problem:
+        raise ValueError(problem)
+
+
 def prepare_process(config: ModelConfig) -> None:
     """Process-wide llama.cpp switches a model needs, set before its first decode."""
-    if is_deterministic(config):
+    global _process_deterministic
+    deterministic = is_deterministic(config)
+    if _process_deterministic is not None and _process_deterministic != deterministic:
+        raise ValueError(mixed_kernels_error({config.id: deterministic, "the models loaded before it":
+                                              _process_deterministic}))
+    _process_deterministic = deterministic
+    if deterministic:
         # The tiled K-quant matrix kernels are taken for batches of 8 rows or more only.
         os.environ["GGML_CPU_TILED_MM"] = "0"
 
