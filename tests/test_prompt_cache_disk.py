@@ -5,9 +5,16 @@ by two servers."""
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import os
+import threading
 from pathlib import Path
 
 import httpx
+import numpy as np
+
+from fastrun_cpp.engine import disk_cache
+from fastrun_cpp.engine.disk_cache import DiskPromptCache, file_identity
 
 from tests.server import DEFAULT_MODEL, run_server
 from tests.test_prefix_cache import Client, cached, document, text
@@ -114,3 +121,51 @@ def test_two_servers_share_one_directory(tmp_path):
         assert disk_stats(client)["skipped"] == 0
     assert hits >= len(topics) - 1  # every prefix either server left behind, but the slot's last
     assert sorted(text(a) for a in again) == sorted(text(a) for a in first)
+
+
+def test_states_waiting_for_a_slow_disk_are_bounded_in_bytes(tmp_path, monkeypatch):
+    """A disk slower than the saves costs hits (dropped writes, counted), never memory."""
+    monkeypatch.setattr(disk_cache, "WRITE_QUEUE_BYTES", 5 * 2**20 // 2)
+    release = threading.Event()
+    cache = DiskPromptCache(tmp_path, "ns", 1 << 30)
+    write = cache._write
+    monkeypatch.setattr(cache, "_write", lambda tokens, state: (release.wait(30), write(tokens, state)))
+    states = [np.full(2**20, i, dtype=np.uint8) for i in range(4)]
+    for i, state in enumerate(states):
+        cache.store([i] * 64, state)
+    assert cache.stats.dropped == 2  # 2 MiB wait (one in the writer's hands): a third would pass 2.5 MiB
+    release.set()
+    assert cache.flush(30)
+    assert cache.stats.writes == 2 and cache.stats.entries == 2
+    cache.store([9] * 64, states[0])  # the queue is empty again: writes are accepted
+    assert cache.flush(30) and cache.stats.writes == 3
+    cache.close()
+
+
+def test_a_model_is_known_by_its_content_hashed_once(tmp_path):
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    ends = os.urandom(2**20)
+    first.write_bytes(ends + b"middle one" + ends)
+    second.write_bytes(ends + b"middle two" + ends)  # same size, same first and last MiB
+    known = tmp_path / "cache" / disk_cache.IDENTITIES_FILE
+    identity = file_identity(first, known)
+    assert identity["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert file_identity(second, known) != identity
+    # Kept by path, size and mtime: the same file is not read again...
+    stat = first.stat()
+    first.write_bytes(ends + b"middle six" + ends)
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert file_identity(first, known) == identity
+    # ...until one of them changes.
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert file_identity(first, known)["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest() != identity["sha256"]
+
+
+def test_a_hugging_face_blob_is_named_by_its_hash(tmp_path):
+    content = b"GGUF weights"
+    blob = tmp_path / "blobs" / hashlib.sha256(content).hexdigest()
+    blob.parent.mkdir()
+    blob.write_bytes(content)
+    link = tmp_path / "model.gguf"
+    link.symlink_to(blob)
+    assert file_identity(link, None)["sha256"] == blob.name

@@ -178,8 +178,12 @@ class AsyncEngine:
 
     async def _load_from_disk(self, prompt: list[int]) -> None:
         """Bring the disk tier's longest prefix of `prompt` into the host cache before the
-        request is queued, when it beats what the slots and the host cache hold (read in a
-        thread of its own: the scheduler never waits for the disk)."""
+        request is queued, when it beats what the slots and the host cache hold. The lookup
+        (a directory rescan, a scan of every entry's tokens) and the read run in a thread of
+        their own: neither the event loop nor the scheduler waits for the disk."""
+        await self._loop.run_in_executor(self._disk_reader, self._adopt_from_disk, prompt)
+
+    def _adopt_from_disk(self, prompt: list[int]) -> None:
         entry, length = self._disk.longest_prefix(prompt)
         usable = min(length, len(prompt) - 1)
         if entry is not None and not self.engine.state_serves(len(entry.tokens), usable):
@@ -187,7 +191,7 @@ class AsyncEngine:
         if entry is None or usable < MIN_SAVED_TOKENS or usable <= self.engine.cached_prefix(prompt):
             self._disk.stats.misses += 1
             return
-        state = await self._loop.run_in_executor(self._disk_reader, self._disk.load, entry)
+        state = self._disk.load(entry)
         if state is not None:
             self.engine.adopt(CachedSequence(entry.tokens, state, source="disk"))
 

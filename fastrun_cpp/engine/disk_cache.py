@@ -7,8 +7,10 @@ sizes and a checksum: a corrupt, truncated or foreign file is skipped with a war
 
 Writes go through one writer thread (never the scheduler's), to a temporary file renamed into
 place, so readers - this process's or another server's sharing the directory - see whole files
-or none. The tier is bounded in bytes; the least recently used files (by modification time,
-refreshed on every hit) go first.
+or none. States waiting to be written are bounded in bytes (past that a write is dropped and
+counted): a slow disk costs hits, never memory. The tier is bounded in bytes; the least recently
+used files (by modification time, refreshed on every hit) go first. Lookups read the directory
+and the files' headers: callers run them off the event loop.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ MAGIC = b"FASTRUN-KV\x01\n"
 SUFFIX = ".kv"
 _HEADER_SIZE = struct.Struct("<I")
 _RESCAN_INTERVAL_S = 5.0  # how often to look for files other processes wrote
+WRITE_QUEUE_BYTES = 512 * 2**20  # states waiting for the writer (one larger state may still wait alone)
+IDENTITIES_FILE = "model-identities.json"  # content hashes of model files, by path, size and mtime
+_HASH_CHUNK = 16 * 2**20
 
 
 @dataclass(eq=False)
@@ -50,6 +55,7 @@ class DiskStats:
     hits: int = 0  # entries loaded for a request
     misses: int = 0  # lookups that found nothing longer than RAM or the slots hold
     writes: int = 0
+    dropped: int = 0  # writes not queued: the states already waiting filled the write queue
     evictions: int = 0
     skipped: int = 0  # unreadable files (corrupt, truncated, foreign)
     bytes: int = 0  # on disk now (this namespace)
@@ -61,15 +67,50 @@ def namespace_of(**identity: object) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def file_identity(path: Path) -> dict[str, object]:
-    """A model file's identity without reading all of it: size and hashes of both ends."""
-    size = path.stat().st_size
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        digest.update(file.read(1 << 20))
-        file.seek(max(0, size - (1 << 20)))
-        digest.update(file.read(1 << 20))
-    return {"size": size, "sha256_ends": digest.hexdigest()}
+def file_identity(path: Path, known: Path | None = None) -> dict[str, object]:
+    """A model file's identity: the SHA-256 of its content. Hashing a large file takes a
+    while, so the hash is kept in `known` (a JSON file) by path, size and modification time, and
+    computed again only when one of them changes. A file in a Hugging Face cache is named by
+    that hash already."""
+    resolved = path.resolve()
+    info = resolved.stat()
+    if resolved.parent.name == "blobs" and len(resolved.name) == 64 and all(c in "0123456789abcdef"
+                                                                             for c in resolved.name):
+        return {"size": info.st_size, "sha256": resolved.name}
+    key = f"{resolved}|{info.st_size}|{info.st_mtime_ns}"
+    table = _read_identities(known)
+    if key not in table:
+        digest = hashlib.sha256()
+        with open(resolved, "rb") as file:
+            while chunk := file.read(_HASH_CHUNK):
+                digest.update(chunk)
+        table = {k: v for k, v in _read_identities(known).items() if not k.startswith(f"{resolved}|")}
+        table[key] = digest.hexdigest()
+        _write_identities(known, table)
+    return {"size": info.st_size, "sha256": table[key]}
+
+
+def _read_identities(known: Path | None) -> dict[str, str]:
+    if known is None:
+        return {}
+    try:
+        table = json.loads(known.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in table.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(table, dict) else {}
+
+
+def _write_identities(known: Path | None, table: dict[str, str]) -> None:
+    if known is None:
+        return
+    temporary = known.with_name(f".{known.name}.{os.getpid()}.tmp")
+    try:
+        known.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(temporary, known)  # another server writing at once: one table wins, the other recomputes
+    except OSError as exc:
+        logger.warning("could not keep model hashes in %s: %s", known, exc)
 
 
 class DiskPromptCache:
@@ -82,6 +123,7 @@ class DiskPromptCache:
         self._lock = threading.Lock()
         self._writes: queue.Queue[tuple[list[int], np.ndarray] | None] = queue.Queue()
         self._pending = 0  # writes queued and not finished
+        self._queued_bytes = 0  # of the states waiting to be written
         self._done = threading.Condition(self._lock)
         self._scanned_at = 0.0
         self._dir_mtime = -1
@@ -148,7 +190,11 @@ class DiskPromptCache:
         with self._lock:
             if path in self._entries:
                 return
+            if self._pending and self._queued_bytes + state.nbytes > WRITE_QUEUE_BYTES:
+                self.stats.dropped += 1
+                return
             self._pending += 1
+            self._queued_bytes += state.nbytes
         self._writes.put((tokens, state))
 
     def flush(self, timeout_s: float) -> bool:
@@ -179,6 +225,7 @@ class DiskPromptCache:
             finally:
                 with self._done:
                     self._pending -= 1
+                    self._queued_bytes -= item[1].nbytes
                     self._done.notify_all()
 
     def _write(self, tokens: list[int], state: np.ndarray) -> None:

@@ -26,6 +26,7 @@ class _Replica:
         self.index = index
         self.engine = engine
         self.down_until = 0.0
+        self.submitting = 0  # requests routed here and not queued yet (their grammar or disk prefix loads)
 
     @property
     def healthy(self) -> bool:
@@ -196,14 +197,17 @@ class EnginePool:
         for replica in candidates:
             engine = replica.engine.engine
             running, waiting = engine.load()
-            loads.append(ReplicaLoad(replica.index, engine.cached_prefix(prompt), running, waiting,
-                                     engine.config.slots))
+            loads.append(ReplicaLoad(replica.index, engine.cached_prefix(prompt), running,
+                                     waiting + replica.submitting, engine.config.slots))
         by_index = {replica.index: replica for replica in candidates}
         ranked = [by_index[index] for index in rank_replicas(loads)]
         retry_after = None
         for replica in ranked:
+            replica.submitting += 1
             try:
                 return replica, await replica.engine.submit(request)
             except CapacityError as exc:  # this one is full: the next may not be
                 retry_after = exc.retry_after_s if retry_after is None else min(retry_after, exc.retry_after_s)
+            finally:
+                replica.submitting -= 1
         raise CapacityError(retry_after or 1)

@@ -63,7 +63,7 @@ class _EngineCollector(Collector):
         disk_bytes = GaugeMetricFamily("fastrun_prompt_cache_disk_bytes", "Bytes of the disk prompt cache.",
                                        labels=["model"])
         disk_events = CounterMetricFamily(
-            "fastrun_prompt_cache_disk", "Disk prompt-cache events (hit, miss, write, eviction, skipped file).",
+            "fastrun_prompt_cache_disk", "Disk prompt-cache events (hit, miss, write, dropped write, eviction, skipped file).",
             labels=["model", "event"],
         )
         # Per replica, what Kubernetes inference gateways score on (vLLM's vllm:num_requests_running,
@@ -103,7 +103,8 @@ class _EngineCollector(Collector):
             if disk is not None:
                 disk_bytes.add_metric([model_id], disk.bytes)
                 for event, value in (("hit", disk.hits), ("miss", disk.misses), ("write", disk.writes),
-                                     ("eviction", disk.evictions), ("skipped", disk.skipped)):
+                                     ("dropped", disk.dropped), ("eviction", disk.evictions),
+                                     ("skipped", disk.skipped)):
                     disk_events.add_metric([model_id, event], value)
         stuck_per_model, killed = self._grammar_failures()
         stuck = CounterMetricFamily("fastrun_grammar_compiles_stuck", "Grammar compilations abandoned at their time "

@@ -13,7 +13,7 @@ import llama_cpp
 from fastrun_cpp.chat import ChatTemplate
 from fastrun_cpp.engine import AsyncEngine, EngineConfig, Faults, LlamaModel, PromptTooLongError
 from fastrun_cpp.engine.backend import system_info
-from fastrun_cpp.engine.disk_cache import DiskPromptCache, file_identity, namespace_of
+from fastrun_cpp.engine.disk_cache import IDENTITIES_FILE, DiskPromptCache, file_identity, namespace_of
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import gpu_offload_available
 from fastrun_cpp.engine.speculative import SpeculationConfig
@@ -197,7 +197,7 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
     if directory is None or config.prompt_cache_disk_gib <= 0:
         return None
     namespace = namespace_of(
-        model=file_identity(path), n_swa=model.n_swa, swa_full=settings.swa_full, type_k=settings.cache_type_k,
+        model=file_identity(path, known=directory / IDENTITIES_FILE), n_swa=model.n_swa, swa_full=settings.swa_full, type_k=settings.cache_type_k,
         type_v=settings.cache_type_v, flash_attn=settings.flash_attn, deterministic=is_deterministic(config),
         llama_cpp=llama_cpp.__version__, build=system_info(),
     )
