@@ -21,7 +21,7 @@ from fastrun_cpp.chat.escape import ControlTextEscaper  # noqa: E402
 from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
 from fastrun_cpp.engine.model import LlamaModel  # noqa: E402
 from fastrun_cpp.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
-from fastrun_cpp.entrypoints.openai.serving_engine import _check_shape  # noqa: E402
+from fastrun_cpp.entrypoints.openai.body import check_shape  # noqa: E402
 from fastrun_cpp.limits import Limits  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
 
@@ -44,7 +44,7 @@ def guard_cost_ms() -> dict[str, float]:
     request = ChatCompletionRequest.model_validate(parsed)
     rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in body["messages"])
     costs = {
-        "shape limits": per_call(lambda: _check_shape(parsed, limits)),
+        "shape limits": per_call(lambda: check_shape(parsed, limits)),
         "unknown-field scan": per_call(request.unknown_fields),
         "control-token escaping of the messages": per_call(lambda: escaper.escape_all(body["messages"])),
         "tokenizing through the escaper (vs. directly)": per_call(

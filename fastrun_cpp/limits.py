@@ -22,6 +22,10 @@ class Limits(BaseModel):
     logit_bias: int = Field(1024, ge=1, description="Entries of logit_bias.")
     stop_length: int = Field(512, ge=1, description="Characters of one stop string.")
     stop_sequences: int = Field(16, ge=1, description="Stop strings in one request (Messages' stop_sequences).")
+    json_containers: int = Field(
+        32768, ge=64, description="Objects and arrays in one request body: what decoding and validating it may cost "
+        "(each a few microseconds, holding the interpreter)."
+    )
     embedding_inputs: int = Field(2048, ge=1, description="Inputs in one embeddings request.")
     # JSON schemas (response_format, tool parameters) and their patterns.
     schema_depth: int = Field(32, ge=1, description="Nesting depth of a JSON schema.")

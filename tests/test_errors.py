@@ -52,7 +52,7 @@ def test_missing_messages_and_prompt(http, model):
         ("temperature", 2.5), ("temperature", -0.1), ("top_p", 1.5), ("top_k", -1), ("top_k", 1001),
         ("min_p", 2), ("max_tokens", 0), ("max_tokens", 16385), ("seed", -1), ("frequency_penalty", 3),
         ("presence_penalty", -2.5), ("repetition_penalty", 2.5), ("top_logprobs", 21),
-        ("stop", ["a", "b", "c", "d", "e"]), ("stream", {"x": 1}), ("n", 9), ("n", 0),
+        ("stop", ["a", "b", "c", "d", "e"]), ("stream", {"x": 1}), ("n", 129), ("n", 0),
         ("stream", "yes"), ("max_tokens", "16"), ("temperature", "0.5"), ("logprobs", 1),
     ],
 )

@@ -38,6 +38,7 @@ from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, S
 from fastrun_cpp.entrypoints.openai.responses.router import router as responses_router
 from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore
+from fastrun_cpp.entrypoints.openai.body import BodyChecker
 from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.runtime import load_local_runtime
 from fastrun_cpp.settings import Settings
@@ -96,6 +97,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
         limits=settings.limits,
         grammar_builder=grammar_builder,
         prompt_pool=ThreadPoolExecutor(4, thread_name_prefix="fastrun-prompt"),
+        body_checker=(body_checker := BodyChecker()),
         metrics=metrics,
         request_timeout_s=settings.request_timeout_s,
         stream_timeout_s=settings.stream_timeout_s,
@@ -120,6 +122,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
                 task.cancel()
             await authenticator.stop()
             grammar_builder.close()
+            body_checker.close()
             for served in models:
                 if served.runtime is not None:
                     await served.runtime.close()

@@ -5,7 +5,6 @@ time limits, usage, and the mapping of engine failures to API errors."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from fastrun_cpp.engine import (
 from fastrun_cpp.engine.grammar import GrammarError
 from fastrun_cpp.engine.request import RequestRejected
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
+from fastrun_cpp.entrypoints.openai.body import BODY_CHECKED_APART_BYTES, BodyChecker, BodyError, decode_body
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error, validation_message
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -39,7 +39,7 @@ from fastrun_cpp.entrypoints.openai.protocol import (
 )
 from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.request_context import current_record
-from fastrun_cpp.limits import LimitExceeded, Limits
+from fastrun_cpp.limits import Limits
 from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.structured.builder import BuildError, GrammarBuilder
 from fastrun_cpp.structured.spec import GrammarSpec
@@ -78,37 +78,6 @@ def usage_of(outputs: list[GenerationOutput]) -> Usage:
     )
 
 
-def _check_shape(body: dict[str, Any], limits: Limits) -> None:
-    """Counts a request could make huge, checked before anything is built from them."""
-
-    def at_most(name: str, items: Any, limit: int, what: str) -> None:
-        if isinstance(items, (list, dict)) and len(items) > limit:
-            raise LimitExceeded(name, f"{what} has {len(items)} entries, over {limit}")
-
-    inputs = body.get("input")
-    if isinstance(inputs, list) and inputs and not isinstance(inputs[0], dict):  # embeddings
-        at_most("embedding_inputs", inputs, limits.embedding_inputs, "input")
-    for field in ("messages", "input"):  # chat and Messages; Responses
-        messages = body.get(field)
-        at_most("messages", messages, limits.messages, field)
-        for index, message in enumerate(messages if isinstance(messages, list) else ()):
-            if isinstance(message, dict):
-                at_most("content_parts", message.get("content"), limits.content_parts, f"{field}[{index}].content")
-    at_most("content_parts", body.get("system"), limits.content_parts, "system")
-    at_most("tools", body.get("tools"), limits.tools, "tools")
-    at_most("prompts", body.get("prompt"), limits.prompts, "prompt")
-    at_most("logit_bias", body.get("logit_bias"), limits.logit_bias, "logit_bias")
-    for field in ("n", "best_of"):
-        choices = body.get(field)
-        if isinstance(choices, int) and choices > limits.choices:
-            raise LimitExceeded("choices", f"{field} is {choices}, over {limits.choices} choices per request")
-    stop = body.get("stop", body.get("stop_sequences"))
-    at_most("stop", stop, limits.stop_sequences, "stop")
-    for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
-        if isinstance(text, str) and len(text) > limits.stop_length:
-            raise LimitExceeded("stop_length", f"a stop string is {len(text)} characters, over {limits.stop_length}")
-
-
 class OpenAIServing:
     def __init__(
         self,
@@ -117,6 +86,7 @@ class OpenAIServing:
         limits: Limits,
         grammar_builder: GrammarBuilder,
         prompt_pool: Executor,
+        body_checker: BodyChecker,
         metrics: ServerMetrics | None = None,
         request_timeout_s: float = 600,
         stream_timeout_s: float = 3600,
@@ -129,6 +99,7 @@ class OpenAIServing:
         # pool of their own, so requests cannot starve what guards the server (key refresh,
         # health, shutdown).
         self.prompt_pool = prompt_pool
+        self.body_checker = body_checker
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.stream_timeout_s = stream_timeout_s
@@ -138,7 +109,8 @@ class OpenAIServing:
 
     async def parse(self, raw: Request, model: type[R]) -> R:
         """The request body as `model`: read, decoded, checked against the limits and validated
-        in the prompt pool (a 64 MiB body takes a while); a 400 in the spec's shape otherwise.
+        in the prompt pool, a large body checked in a process first (see body.py); a 400 in
+        the spec's shape otherwise.
 
         A body that does not say it is JSON is refused (415) before it is read: a web page can
         send text/plain or form bodies to a loopback server without a CORS preflight."""
@@ -147,6 +119,10 @@ class OpenAIServing:
             raise APIError(415, f"the request body must be sent as Content-Type: application/json, "
                                 f"not {content_type or 'none'!r}")
         body = await raw.body()
+        if len(body) > BODY_CHECKED_APART_BYTES:
+            problem = await self.body_checker.problem(body, self.limits)
+            if problem is not None:
+                raise bad_request(problem)
         request = await self.in_prompt_pool(self._parse, body, model)
         unknown = request.unknown_fields()
         if unknown:
@@ -155,19 +131,8 @@ class OpenAIServing:
 
     def _parse(self, body: bytes, model: type[R]) -> R:
         try:
-            data = json.loads(body)
-        except RecursionError:
-            raise bad_request("the request body is not valid JSON: it nests too deeply") from None
-        except UnicodeDecodeError:
-            raise bad_request("the request body is not valid JSON: it is not UTF-8 text") from None
-        except ValueError as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the request body must be a JSON object")
-        try:
-            _check_shape(data, self.limits)
-            return model.model_validate(data)
-        except LimitExceeded as exc:
+            return model.model_validate(decode_body(body, self.limits))
+        except BodyError as exc:
             raise bad_request(str(exc)) from None
         except ValidationError as exc:
             raise bad_request(validation_message(RequestValidationError(exc.errors()))) from None
@@ -187,9 +152,14 @@ class OpenAIServing:
     def check_prompt_text(self, served: ServedModel, text: str) -> None:
         """Refuse, before tokenizing it, a prompt too long for any tokenization to fit: no token
         spells more than `max_token_bytes` bytes (so more than that many characters)."""
+        self.check_prompt_length(served, len(text))
+
+    def check_prompt_length(self, served: ServedModel, characters: int) -> None:
+        """check_prompt_text for a prompt of at least `characters` characters (before it is
+        rendered: rendering a text that cannot fit would cost the server for nothing)."""
         runtime = served.runtime
-        if len(text) > runtime.info.max_context * runtime.tokenizer.max_token_bytes:
-            raise bad_request(f"the prompt is {len(text)} characters long, far more than the context window of "
+        if characters > runtime.info.max_context * runtime.tokenizer.max_token_bytes:
+            raise bad_request(f"the prompt is {characters} characters long, far more than the context window of "
                               f"{runtime.info.max_context} tokens (prompt and answer together)")
 
     def check_prompt_tokens(self, served: ServedModel, tokens: list[int]) -> None:

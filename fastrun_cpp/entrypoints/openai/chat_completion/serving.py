@@ -220,6 +220,7 @@ class OpenAIServingChat(OpenAIServing):
         escaper = ControlTextEscaper(tokenizer.control_texts)
         tools_as_text = isinstance(runtime.tool_parser, FallbackToolParser)
         messages = template_messages(request.messages, tools_as_text=tools_as_text)
+        self.check_prompt_length(served, sum(len(message["content"] or "") for message in messages))
         template_tools = None
         if tool_parser is not None:
             instructions = tool_parser.system_prompt(self._functions(request))
