@@ -84,7 +84,7 @@ def file_identity(path: Path, known: Path | None = None) -> dict[str, object]:
         with open(resolved, "rb") as file:
             while chunk := file.read(_HASH_CHUNK):
                 digest.update(chunk)
-        table = {k: v for k, v in _read_identities(known).items() if not k.startswith(f"{resolved}|")}
+        table = {k: v for k, v in table.items() if not k.startswith(f"{resolved}|")}  # its older versions
         table[key] = digest.hexdigest()
         _write_identities(known, table)
     return {"size": info.st_size, "sha256": table[key]}

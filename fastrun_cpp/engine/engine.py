@@ -259,8 +259,7 @@ class Engine:
         self._lock = threading.Condition()
         self._inbox: list[_Waiting] = []
         self._aborts: set[tuple[str, int | None]] = set()
-        self._outstanding = 0  # choices added and not yet finished (guarded by _lock)
-        self._unfinished: dict[str, int] = {}  # choices not yet finished, by request (guarded by _lock)
+        self._unfinished: dict[str, int] = {}  # choices added and not yet finished, by request (guarded by _lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
 
@@ -310,7 +309,6 @@ class Engine:
             # the slot count run in later waves of the request's own places.
             if self._places() + self._places_of(request.n) > self.config.slots + self.config.max_queue:
                 raise CapacityError(self.retry_after_s())
-            self._outstanding += request.n
             self._unfinished[request.request_id] = self._unfinished.get(request.request_id, 0) + request.n
             self._inbox.append(_Waiting(request, grammar, list(range(request.n))))
             self._lock.notify()
@@ -330,7 +328,8 @@ class Engine:
         per_slot = rate / len(busy)
         expected = self._throughput.tokens_per_answer
         remaining = sorted(max(1.0, min(slot.max_tokens, expected) - slot.n_generated) for slot in busy)
-        ahead = self._outstanding - len(busy)  # waiting requests: each needs a slot first
+        with self._lock:
+            ahead = sum(self._unfinished.values()) - len(busy)  # waiting choices: each needs a slot first
         rounds, position = divmod(max(0, ahead), len(busy))
         seconds = (remaining[position] + rounds * expected) / per_slot
         return max(1, math.ceil(seconds))
@@ -361,11 +360,6 @@ class Engine:
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
-
-    @property
-    def outstanding(self) -> int:
-        """Requests queued or running (for routing; approximate)."""
-        return self._outstanding
 
     def state_serves(self, saved: int, prefix: int) -> bool:
         """Whether a saved state of `saved` tokens can serve a reuse of its first `prefix`. A
@@ -449,7 +443,6 @@ class Engine:
         finished = [output.request_id for output in outputs if output.finished]
         if finished:
             with self._lock:
-                self._outstanding -= len(finished)
                 for request_id in finished:
                     left = self._unfinished.get(request_id, 0) - 1
                     if left > 0:

@@ -120,7 +120,7 @@ class BodyChecker:
             return await asyncio.get_running_loop().run_in_executor(self._pool, body_problem, body, limits)
         except BrokenProcessPool:
             logger.warning("the body-checking process died on a %d-byte body; starting another", len(body))
-            self._pool = None
+            self.close()
             return "the request body could not be decoded within the server's means"
 
     def close(self) -> None:
