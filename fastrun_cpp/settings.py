@@ -104,8 +104,12 @@ class Settings(BaseSettings):
         "--replicas replicas (pip install 'fastrun-cpp[ray]').",
     )
     ray_router: Literal["affinity", "pow2"] = Field(
-        "affinity", description="Replica choice with --backend ray: prefix affinity, or Ray Serve's default "
-        "power-of-two-choices (for comparison).",
+        "affinity", description="Replica choice with --backend ray: prefix affinity, or power-of-two-choices by "
+        "queue length as Ray Serve's default router does (for comparison).",
+    )
+    ray_replica_timeout_s: float = Field(
+        60, gt=0, description="With --backend ray, how long a request waits for a replica to accept it (none up, or all "
+        "still starting) before it fails with a 503, seconds.",
     )
     ray_address: str | None = Field(
         None, description="Ray cluster to join with --backend ray ('auto': the one `ray start` made on this "

@@ -19,18 +19,34 @@ from tests.test_prefix_cache import document
 pytest.importorskip("ray.serve", reason="the Ray backend needs `pip install 'fastrun-cpp[ray]'`")
 
 CRASH_SEED = 424242  # --debug-faults replica-exit: the replica given this seed dies first
+QUEUED_CRASH_SEED = 434343  # replica-exit-queued: dies after accepting it, before its first token
 
 
 @pytest.fixture(scope="module")
-def ray_server(tmp_path_factory):
+def ray_cluster():
+    """A Ray cluster of its own that the server joins (as a long-lived cluster is joined), so
+    what the server leaves behind in it can be looked at."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, namespace="fastrun-tests", log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_server(tmp_path_factory, ray_cluster):
     directory = tmp_path_factory.mktemp("ray")
-    with run_server("--backend", "ray", "--replicas", "2", "--threads", "2", "--slots", "2", "--max-queue", "1",
-                    "--ctx-size", "2048", "--debug-faults", f"replica-exit={CRASH_SEED}", log_dir=directory,
+    with run_server("--backend", "ray", "--ray-address", ray_cluster, "--replicas", "2", "--threads", "2",
+                    "--slots", "2", "--max-queue", "1", "--ctx-size", "2048", "--debug-faults",
+                    f"replica-exit={CRASH_SEED},replica-exit-queued={QUEUED_CRASH_SEED}", log_dir=directory,
                     env={"FASTRUN_FAULTS_DIR": str(directory)}, startup_timeout=300) as server:
+        server.directory = directory
         yield server
-        server.process.terminate()
-        assert server.process.wait(timeout=90) == 0, "no clean exit after SIGTERM"
-        assert "shut down after SIGTERM" in server.log()
+        if server.process.poll() is None:
+            server.process.terminate()
+            assert server.process.wait(timeout=90) == 0, "no clean exit after SIGTERM"
 
 
 def chat(server, system: str, question: str, **extra) -> httpx.Response:
@@ -99,12 +115,109 @@ def test_overload_gives_429s_with_retry_after_and_no_5xx(ray_server):
 def test_a_replica_that_dies_before_answering_is_replaced_by_another(ray_server):
     response = chat(ray_server, "You are brief.", "Hello there.", seed=CRASH_SEED)
     assert response.status_code == 200, response.text
-    assert "died before answering" in ray_server.log()
+    assert "before its first token" in ray_server.log()
     # Serve starts a new replica in its place.
     assert wait_until(lambda: sum(1 for r in ray_server.health()["models"][DEFAULT_MODEL]["replicas"]
                                   if r["healthy"]) == 2, timeout=120)
     for question in range(4):
         assert chat(ray_server, "You are brief.", f"Again {question}.").status_code == 200
+
+
+def test_a_replica_that_dies_after_accepting_a_request_is_replaced_by_another(ray_server):
+    response = chat(ray_server, "You are brief.", "Hello again.", seed=QUEUED_CRASH_SEED)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] > 0
+    assert "before its first token" in ray_server.log()
+    assert wait_until(lambda: sum(1 for r in ray_server.health()["models"][DEFAULT_MODEL]["replicas"]
+                                  if r["healthy"]) == 2, timeout=120)
+
+
+def generated_tokens(server) -> float:
+    from tests.test_observability import metric
+
+    return metric(httpx.get(f"{server.root_url}/metrics", timeout=10).text, "fastrun_engine_generated_tokens_total",
+                  model=DEFAULT_MODEL)
+
+
+def settled_generated_tokens(server) -> float:
+    """The replicas' count once their periodic reports have caught up."""
+    previous = None
+    for _ in range(20):
+        time.sleep(2.5)
+        current = generated_tokens(server)
+        if current == previous:
+            return current
+        previous = current
+    raise AssertionError("the generated-token count never settled")
+
+
+def test_a_choice_stopped_at_a_repeated_call_ends_on_its_replica_as_locally(ray_server, server):
+    """tool_choice "required" on a model that writes more calls once its call is complete:
+    the ingress ends the choice at a certain repeat, and the replica stops decoding it; usage
+    is what the local backend reports for the same request."""
+    from tests.test_openai_params import CITY_WEATHER
+
+    stopped = "ends with its tool calls"
+    for seed in range(1, 16):  # a seed on which the model writes on after its call (most do)
+        request = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                   "tools": [CITY_WEATHER], "tool_choice": "required", "max_tokens": 200, "seed": seed}
+        stops = server.log().count(stopped)
+        local = httpx.post(f"{server.base_url}/chat/completions", json=request, timeout=180)
+        assert local.status_code == 200, local.text
+        if server.log().count(stopped) > stops:
+            break
+    else:
+        pytest.fail("the model never wrote on after a required call")
+    before = settled_generated_tokens(ray_server)
+    stops = ray_server.log().count(stopped)
+    remote = httpx.post(f"{ray_server.base_url}/chat/completions", json=request, timeout=180)
+    assert remote.status_code == 200, remote.text
+    assert ray_server.log().count(stopped) == stops + 1
+    remote, local = remote.json(), local.json()
+    assert remote["choices"][0]["finish_reason"] == local["choices"][0]["finish_reason"] == "tool_calls"
+    assert remote["choices"][0]["message"]["tool_calls"] == [
+        {**call, "id": mine["id"]} for call, mine in zip(local["choices"][0]["message"]["tool_calls"],
+                                                         remote["choices"][0]["message"]["tool_calls"])]
+    assert remote["usage"]["completion_tokens"] == local["usage"]["completion_tokens"] < 200
+    decoded = settled_generated_tokens(ray_server) - before
+    # The stop reaches the replica within a few steps; without it the choice runs to its end.
+    assert decoded <= remote["usage"]["completion_tokens"] + 16, decoded
+
+
+def test_replicas_get_the_gpus_of_the_cluster_unless_the_model_stays_on_the_cpu():
+    from fastrun_cpp.registry import GpuOptions, ModelConfig
+    from fastrun_cpp.runtime.ray_backend import replica_gpus
+
+    two = ModelConfig(id="m", path="m.gguf", replicas=2)
+    assert replica_gpus(two, cluster_gpus=4, offload_built=True) == 1
+    assert replica_gpus(two, cluster_gpus=1, offload_built=True) == 0.5  # two replicas share one GPU
+    assert replica_gpus(two, cluster_gpus=0, offload_built=True) == 0
+    assert replica_gpus(two, cluster_gpus=4, offload_built=False) == 0  # a CPU build: said in the log
+    on_cpu = two.model_copy(update={"gpu": GpuOptions(n_gpu_layers=0)})
+    assert replica_gpus(on_cpu, cluster_gpus=4, offload_built=True) == 0
+
+
+def test_a_stopped_server_leaves_nothing_in_the_cluster_and_keeps_its_prefixes(ray_server, tmp_path):
+    """Last in this module: it stops the server. The replicas write what their slots hold to
+    the disk tier as they stop (a new server reuses it), and neither the app's replicas nor
+    its stats board stay in the cluster the server joined."""
+    import ray
+
+    system = document("ray delta deserts", 30)
+    first = chat(ray_server, system, "Which deserts?")
+    assert first.status_code == 200, first.text
+    ray_server.process.terminate()
+    assert ray_server.process.wait(timeout=90) == 0, "no clean exit after SIGTERM"
+    assert "shut down after SIGTERM" in ray_server.log()
+    left = [actor for actor in ray.util.list_named_actors(all_namespaces=True) if "fastrun-" in actor["name"]]
+    assert left == [], left
+    cache_dir = next(ray_server.directory.glob("prompt-cache-*"))
+    with run_server("--slots", "2", "--ctx-size", "2048", log_dir=tmp_path,
+                    env={"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}) as local:
+        again = chat(local, system, "Which deserts?")
+    assert again.status_code == 200, again.text
+    usage = again.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 20, usage
 
 
 def test_the_local_backend_never_imports_ray(tmp_path):

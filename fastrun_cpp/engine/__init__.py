@@ -3,7 +3,8 @@
 Nothing in this package knows about HTTP.
 """
 
-from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream, RequestTimedOut
+from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream
+from fastrun_cpp.engine.failover import FailoverStream, RequestTimedOut
 from fastrun_cpp.engine.engine import CapacityError, Engine, EngineConfig, EngineStats, PromptTooLongError
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.model import LlamaModel, ModelLoadError
@@ -25,6 +26,7 @@ __all__ = [
     "PromptTooLongError",
     "RequestStream",
     "RequestTimedOut",
+    "FailoverStream",
     "EngineError",
     "FinishReason",
     "GenerationOutput",

@@ -45,17 +45,13 @@ class _OutputCollector:
         return output
 
 
-class RequestTimedOut(EngineError):
-    pass
-
-
 class RequestStream:
-    """The outputs of one submitted request, as an async iterator: each output is news of one
-    choice (`output.index`).
+    """One engine's outputs for a submitted request, as an async iterator: each output is news
+    of one choice (`output.index`). The serving layer reads it through a FailoverStream (which
+    keeps the deadline).
 
-    Ends after every choice has finished; raises EngineError if the engine failed it,
-    RequestTimedOut past its deadline. `close()` aborts the request if it is still running (and
-    is safe to call twice).
+    Ends after every choice has finished; raises EngineError if the engine failed it. `close()`
+    aborts the request if it is still running, ends a pending read, and is safe to call twice.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, collector: _OutputCollector, choices: int = 1) -> None:
@@ -64,27 +60,17 @@ class RequestStream:
         self._collector = collector
         self._unfinished = choices
         self.replica = engine.name  # which engine serves it
-        self._timer: asyncio.TimerHandle | None = None
-        self._timed_out = False
         self.finished = False
-        self.time_limit_s: float | None = None
-
-    def set_deadline(self, seconds: float) -> None:
-        """Abort the request, and end the stream with RequestTimedOut, after `seconds`."""
-        self.time_limit_s = seconds
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> GenerationOutput:
-        if self._timed_out:
-            raise RequestTimedOut("the request ran past its time limit")
         if self.finished:
             raise StopAsyncIteration
         output = await self._collector.get()
-        if self._timed_out:
-            raise RequestTimedOut("the request ran past its time limit")
+        if self.finished:  # closed while waiting
+            raise StopAsyncIteration
         if output.finished:
             self._unfinished -= 1
         if output.error is not None:
@@ -98,22 +84,15 @@ class RequestStream:
         if not self.finished:
             self._end()
             self._engine.engine.abort_request(self.request_id)
+            self._collector.put(GenerationOutput(self.request_id))  # wakes a pending read
 
     def stop_choice(self, index: int) -> None:
         """End one choice of the request now (the engine reports it finished)."""
         if not self.finished:
             self._engine.engine.abort_request(self.request_id, index)
 
-    def _expire(self) -> None:
-        if not self.finished:
-            self._timed_out = True
-            self._collector.put(GenerationOutput(self.request_id))  # wakes the reader
-            self.close()
-
     def _end(self) -> None:
         self.finished = True
-        if self._timer is not None:
-            self._timer.cancel()
         self._engine._forget(self.request_id)
 
 

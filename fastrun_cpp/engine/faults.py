@@ -4,7 +4,8 @@
 make the 2nd and 7th `llama_decode` calls fail as a broken backend would. `decode-fail=1@0`
 targets replica 0 of a pool only. `schema-hang` makes the conversion of any schema titled
 "fastrun-debug-hang" hang (to test its time limit). `replica-exit=SEED`: with --backend ray,
-the replica that gets a request with that sampling seed dies before answering (once).
+the replica that gets a request with that sampling seed dies before answering (once);
+`replica-exit-queued=SEED`: after accepting it, before its first token (once).
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ class Faults:
                 faults.schema_hang = True
             elif name == "grammar-hang":
                 faults.grammar_hang = True
-            elif name == "replica-exit":
+            elif name in ("replica-exit", "replica-exit-queued"):
                 pass  # Ray replicas read it themselves (runtime.ray_backend)
             else:
-                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang, grammar-hang, replica-exit)")
+                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang, grammar-hang, replica-exit, replica-exit-queued)")
         faults.decode_failures = frozenset(failures)
         return faults
 

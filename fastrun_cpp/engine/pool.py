@@ -10,10 +10,11 @@ import dataclasses
 import logging
 import time
 
-from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream, RequestTimedOut
+from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream
 from fastrun_cpp.engine.disk_cache import DiskPromptCache, DiskStats
 from fastrun_cpp.engine.engine import CapacityError, EngineStats
-from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.failover import FailoverStream
+from fastrun_cpp.engine.request import EngineError, GenerationRequest
 from fastrun_cpp.engine.routing import ReplicaLoad, rank_replicas
 
 logger = logging.getLogger(__name__)
@@ -34,68 +35,6 @@ class _Replica:
 
     def take_out(self) -> None:
         self.down_until = time.monotonic() + FAILED_REPLICA_COOLDOWN_S
-
-
-class PoolStream:
-    """A request's outputs from whichever replica serves it. If a replica fails the request
-    before it produced any token, the request moves to another healthy replica."""
-
-    def __init__(self, pool: EnginePool, request: GenerationRequest, replica: _Replica, inner: RequestStream) -> None:
-        self._pool = pool
-        self._request = request
-        self._replica = replica
-        self._inner = inner
-        self._tried = {replica.index}
-        self._produced = False
-        self.time_limit_s: float | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self._request.request_id
-
-    @property
-    def replica(self) -> str:
-        return self._inner.replica
-
-    def stop_choice(self, index: int) -> None:
-        self._inner.stop_choice(index)
-
-    @property
-    def finished(self) -> bool:
-        return self._inner.finished
-
-    def set_deadline(self, seconds: float) -> None:
-        self.time_limit_s = seconds
-        self._inner.set_deadline(seconds)
-
-    def __aiter__(self) -> PoolStream:
-        return self
-
-    async def __anext__(self) -> GenerationOutput:
-        while True:
-            try:
-                output = await self._inner.__anext__()
-            except RequestTimedOut:
-                raise
-            except EngineError:
-                if self._produced:
-                    raise
-                self._replica.take_out()
-                logger.warning("replica %d failed %s; trying another", self._replica.index, self.request_id)
-                retry = await self._pool.retry(self._request, exclude=self._tried)
-                if retry is None:
-                    raise
-                self._replica, self._inner = retry
-                self._tried.add(self._replica.index)
-                if self.time_limit_s is not None:
-                    self._inner.set_deadline(self.time_limit_s)
-                continue
-            if output.token_ids:
-                self._produced = True
-            return output
-
-    def close(self) -> None:
-        self._inner.close()
 
 
 class EnginePool:
@@ -145,17 +84,16 @@ class EnginePool:
                            "kv_usage": round(replica.engine.engine.kv_usage(), 4), "healthy": replica.healthy})
         return status
 
-    async def submit(self, request: GenerationRequest) -> PoolStream | RequestStream:
-        replica, stream = await self._submit(request, exclude=set())
-        if len(self._replicas) == 1:
-            return stream
-        return PoolStream(self, request, replica, stream)
+    async def submit(self, request: GenerationRequest) -> FailoverStream:
+        """Queue the request on the best replica; one that fails it before its first token is
+        taken out for a while and the request moves to another (each replica tried once)."""
+        return await FailoverStream.open(request, self._submit, retries=len(self._replicas) - 1,
+                                         on_replica_failed=self._take_out)
 
-    async def retry(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream] | None:
-        try:
-            return await self._submit(request, exclude=exclude)
-        except EngineError:
-            return None
+    def _take_out(self, name: str) -> None:
+        for replica in self._replicas:
+            if replica.engine.name == name:
+                replica.take_out()
 
     # What a Ray replica reports of the pool it runs (one engine there).
 
@@ -173,8 +111,11 @@ class EnginePool:
         return any(replica.engine.engine.alive for replica in self._replicas)
 
     def shutdown_now(self) -> None:
+        """shutdown(), blocking (a Ray replica's destructor)."""
         for replica in self._replicas:
             replica.engine.shutdown()
+        if self.disk_cache is not None:
+            self.disk_cache.close()
 
     async def shutdown(self) -> None:
         """Stop every replica (each keeps its slots' prefixes in the disk tier), then wait for
@@ -186,10 +127,10 @@ class EnginePool:
 
     # ------------------------------------------------------------------ routing
 
-    async def _submit(self, request: GenerationRequest, *, exclude: set[int]) -> tuple[_Replica, RequestStream]:
-        candidates = [r for r in self._replicas if r.index not in exclude and r.healthy]
+    async def _submit(self, request: GenerationRequest, exclude: frozenset[str]) -> RequestStream:
+        candidates = [r for r in self._replicas if r.engine.name not in exclude and r.healthy]
         if not candidates:
-            candidates = [r for r in self._replicas if r.index not in exclude]  # all down: try anyway
+            candidates = [r for r in self._replicas if r.engine.name not in exclude]  # all down: try anyway
         if not candidates:
             raise EngineError("no replica left to serve the request")
         prompt = request.prompt_tokens
@@ -205,7 +146,7 @@ class EnginePool:
         for replica in ranked:
             replica.submitting += 1
             try:
-                return replica, await replica.engine.submit(request)
+                return await replica.engine.submit(request)
             except CapacityError as exc:  # this one is full: the next may not be
                 retry_after = exc.retry_after_s if retry_after is None else min(retry_after, exc.retry_after_s)
             finally:

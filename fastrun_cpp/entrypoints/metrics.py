@@ -74,6 +74,9 @@ class _EngineCollector(Collector):
                                           labels=["model", "replica"])
         kv = GaugeMetricFamily("fastrun_kv_cache_usage_ratio", "Share of a replica's KV cache its requests hold (0-1).",
                                labels=["model", "replica"])
+        decoded = CounterMetricFamily(
+            "fastrun_engine_generated_tokens", "Tokens the engines generated, with those of choices stopped early "
+            "or abandoned by their client (fastrun_generation_tokens counts what was served).", labels=["model"])
         drafted = CounterMetricFamily("fastrun_spec_draft_tokens", "Speculative draft tokens verified, and accepted.",
                                       labels=["model", "outcome"])
         grammar = HistogramMetricFamily(
@@ -93,6 +96,7 @@ class _EngineCollector(Collector):
             hits.add_metric([model_id, "host"], stats.host_hits)
             hits.add_metric([model_id, "disk"], stats.disk_hits)
             hits.add_metric([model_id, "miss"], stats.misses)
+            decoded.add_metric([model_id], stats.generated_tokens)
             drafted.add_metric([model_id, "drafted"], stats.drafted_tokens)
             drafted.add_metric([model_id, "accepted"], stats.accepted_tokens)
             steps = stats.grammar_steps
@@ -114,5 +118,5 @@ class _EngineCollector(Collector):
         conversions = CounterMetricFamily("fastrun_schema_conversions_killed",
                                           "Schema-to-grammar conversions killed at their time limit.")
         conversions.add_metric([], killed)
-        yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, drafted, grammar,
-                    stuck, conversions)
+        yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, decoded, drafted,
+                    grammar, stuck, conversions)

@@ -59,7 +59,8 @@ async def load_model(settings: Settings, served: ServedModel) -> None:
 
             runtime = await load_ray_runtime(served.config, threads=settings.threads, faults_spec=settings.debug_faults,
                                              prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits,
-                                             address=settings.ray_address, router=settings.ray_router)
+                                             address=settings.ray_address, router=settings.ray_router,
+                                             replica_timeout_s=settings.ray_replica_timeout_s)
         else:
             runtime = await load_local_runtime(served.config, threads=settings.threads,
                                                faults_spec=settings.debug_faults,
