@@ -74,7 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     approve.add_argument("account")
     unapprove = key_commands.add_parser("unapprove", help="refuse an account's keys")
     unapprove.add_argument("account")
-    for sub in (create, listing, revoke, approve, unapprove):
+    admin = key_commands.add_parser("admin", help="let an account's keys read /metrics (it shows every account's use)")
+    admin.add_argument("account")
+    admin.add_argument("--off", action="store_true", help="take the right away again")
+    share = key_commands.add_parser(
+        "share-cache", help="let accounts that trust each other reuse each other's cached prompts (one group each)")
+    share.add_argument("account")
+    share.add_argument("group", nargs="?", help="the group's name; omitted: the account's prompts are its own again")
+    for sub in (create, listing, revoke, approve, unapprove, admin, share):
         _add_settings_flags(sub, names=("keys_db",))
     return parser
 
@@ -192,6 +199,18 @@ def keys(command: str, args: dict[str, Any]) -> int:
                 print(f"no account {args['account']!r}", file=sys.stderr)
                 return 1
             print(f"account {args['account']!r} {command}d")
+        elif command == "admin":
+            if not store.set_admin(args["account"], not args["off"]):
+                print(f"no account {args['account']!r}", file=sys.stderr)
+                return 1
+            print(f"account {args['account']!r} {'may not' if args['off'] else 'may'} read /metrics")
+        elif command == "share-cache":
+            if not store.set_cache_group(args["account"], args["group"]):
+                print(f"no account {args['account']!r}", file=sys.stderr)
+                return 1
+            group = args["group"]
+            print(f"account {args['account']!r} shares cached prompts with group {group!r}" if group
+                  else f"account {args['account']!r} keeps its cached prompts to itself")
     except KeyStoreError as exc:
         print(f"fastrun-cpp: {exc}", file=sys.stderr)
         return 1

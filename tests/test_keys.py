@@ -127,7 +127,7 @@ def test_valid_key_works_and_health_needs_none(keyed):
     assert httpx.post(f"{server.base_url}/chat/completions", json=CHAT, headers=bearer(key)).status_code == 200
     assert httpx.get(f"{server.root_url}/health").status_code == 200
     assert httpx.get(f"{server.root_url}/ready").status_code == 200
-    assert httpx.get(f"{server.root_url}/metrics").status_code == 200
+    assert httpx.get(f"{server.root_url}/metrics").status_code == 401  # with keys on, an admin's (test_tenancy)
 
 
 def test_new_and_revoked_keys_apply_without_restart(keyed):

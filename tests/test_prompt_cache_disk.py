@@ -129,7 +129,7 @@ def test_states_waiting_for_a_slow_disk_are_bounded_in_bytes(tmp_path, monkeypat
     release = threading.Event()
     cache = DiskPromptCache(tmp_path, "ns", 1 << 30)
     write = cache._write
-    monkeypatch.setattr(cache, "_write", lambda tokens, state: (release.wait(30), write(tokens, state)))
+    monkeypatch.setattr(cache, "_write", lambda *item: (release.wait(30), write(*item)))
     states = [np.full(2**20, i, dtype=np.uint8) for i in range(4)]
     for i, state in enumerate(states):
         cache.store([i] * 64, state)

@@ -28,9 +28,16 @@ def test_block_hashes_name_whole_prefixes():
 
 
 def test_cached_tokens_counts_leading_blocks_only():
-    held = held_hashes([SYSTEM_A[:4 * BLOCK_TOKENS]])
+    held = held_hashes([("", SYSTEM_A[:4 * BLOCK_TOKENS])])
     assert cached_tokens(block_hashes(SYSTEM_A), held) == 4 * BLOCK_TOKENS
     assert cached_tokens(block_hashes(SYSTEM_B), held) == 0
+
+
+def test_a_prefix_held_for_one_tenant_is_nothing_to_another():
+    held = held_hashes([("account:a", SYSTEM_A)])
+    assert cached_tokens(block_hashes(SYSTEM_A, "account:a"), held) == len(SYSTEM_A) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert cached_tokens(block_hashes(SYSTEM_A, "account:b"), held) == 0
+    assert cached_tokens(block_hashes(SYSTEM_A), held) == 0
 
 
 def test_affinity_the_replica_holding_the_prefix_wins():

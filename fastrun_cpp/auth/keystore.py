@@ -24,7 +24,9 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS accounts (
     name TEXT PRIMARY KEY,
     approved INTEGER NOT NULL,
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    admin INTEGER NOT NULL DEFAULT 0,
+    cache_group TEXT
 );
 CREATE TABLE IF NOT EXISTS keys (
     id INTEGER PRIMARY KEY,
@@ -35,6 +37,11 @@ CREATE TABLE IF NOT EXISTS keys (
     revoked_at INTEGER
 );
 """
+# Columns added since the first schema: (table, column, definition), added to older stores.
+_ADDED_COLUMNS = (
+    ("accounts", "admin", "INTEGER NOT NULL DEFAULT 0"),  # may read /metrics
+    ("accounts", "cache_group", "TEXT"),  # shares prompt caches with the accounts of this group
+)
 
 
 class KeyStoreError(Exception):
@@ -61,6 +68,13 @@ class ActiveKey:
     key_id: int
     account: str
     account_approved: bool
+    admin: bool = False
+    cache_group: str | None = None
+
+    @property
+    def cache_namespace(self) -> str:
+        """Whose cached prompts this key's requests may reuse: its account's, or its group's."""
+        return f"group:{self.cache_group}" if self.cache_group else f"account:{self.account}"
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,17 @@ class KeyStore:
             cursor = db.execute("UPDATE accounts SET approved = ? WHERE name = ?", (int(approved), account))
             return cursor.rowcount == 1
 
+    def set_admin(self, account: str, admin: bool) -> bool:
+        with self._write() as db:
+            cursor = db.execute("UPDATE accounts SET admin = ? WHERE name = ?", (int(admin), account))
+            return cursor.rowcount == 1
+
+    def set_cache_group(self, account: str, group: str | None) -> bool:
+        """Let the accounts of one group reuse each other's cached prompts (None: the account's own)."""
+        with self._write() as db:
+            cursor = db.execute("UPDATE accounts SET cache_group = ? WHERE name = ?", (group, account))
+            return cursor.rowcount == 1
+
     # ------------------------------------------------------------------ serving
 
     def snapshot(self) -> KeySnapshot:
@@ -127,12 +152,15 @@ class KeyStore:
         if not self.path.exists():
             return KeySnapshot(active={}, any_keys=False)
         with self._read() as db:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(accounts)")}
+            extra = ", ".join(f"a.{name}" if name in columns else "NULL" for name in ("admin", "cache_group"))
             rows = db.execute(
-                "SELECT k.key_hash, k.id, k.account, a.approved, k.revoked_at "
+                f"SELECT k.key_hash, k.id, k.account, a.approved, k.revoked_at, {extra} "
                 "FROM keys k JOIN accounts a ON a.name = k.account"
             ).fetchall()
         active = {
-            r[0]: ActiveKey(key_hash=r[0], key_id=r[1], account=r[2], account_approved=bool(r[3]))
+            r[0]: ActiveKey(key_hash=r[0], key_id=r[1], account=r[2], account_approved=bool(r[3]), admin=bool(r[5]),
+                            cache_group=r[6])
             for r in rows
             if r[4] is None
         }
@@ -153,6 +181,9 @@ class KeyStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, timeout=5)
             db.executescript(_SCHEMA)
+            for table, column, definition in _ADDED_COLUMNS:
+                if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         except (OSError, sqlite3.Error) as exc:
             raise KeyStoreError(f"cannot write the key store {self.path}: {exc}") from exc
         self.path.chmod(0o600)

@@ -145,7 +145,7 @@ class AsyncEngine:
         is queued) and return the stream of its outputs."""
         grammar = await self._grammars.compile(request.grammar) if request.grammar is not None else None
         if self._disk is not None and request.kind == "generate":
-            await self._load_from_disk(request.prompt_tokens)
+            await self._load_from_disk(request.prompt_tokens, request.cache_namespace)
         collector = _OutputCollector()
         self._collectors[request.request_id] = collector
         try:
@@ -155,24 +155,24 @@ class AsyncEngine:
             raise
         return RequestStream(self, request.request_id, collector, request.n)
 
-    async def _load_from_disk(self, prompt: list[int]) -> None:
+    async def _load_from_disk(self, prompt: list[int], namespace: str) -> None:
         """Bring the disk tier's longest prefix of `prompt` into the host cache before the
         request is queued, when it beats what the slots and the host cache hold. The lookup
         (a directory rescan, a scan of every entry's tokens) and the read run in a thread of
         their own: neither the event loop nor the scheduler waits for the disk."""
-        await self._loop.run_in_executor(self._disk_reader, self._adopt_from_disk, prompt)
+        await self._loop.run_in_executor(self._disk_reader, self._adopt_from_disk, prompt, namespace)
 
-    def _adopt_from_disk(self, prompt: list[int]) -> None:
-        entry, length = self._disk.longest_prefix(prompt)
+    def _adopt_from_disk(self, prompt: list[int], namespace: str) -> None:
+        entry, length = self._disk.longest_prefix(prompt, namespace)
         usable = min(length, len(prompt) - 1)
         if entry is not None and not self.engine.state_serves(len(entry.tokens), usable):
             entry = None
-        if entry is None or usable < MIN_SAVED_TOKENS or usable <= self.engine.cached_prefix(prompt):
+        if entry is None or usable < MIN_SAVED_TOKENS or usable <= self.engine.cached_prefix(prompt, namespace):
             self._disk.stats.misses += 1
             return
         state = self._disk.load(entry)
         if state is not None:
-            self.engine.adopt(CachedSequence(entry.tokens, state, source="disk"))
+            self.engine.adopt(CachedSequence(entry.tokens, state, source="disk", namespace=namespace))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -48,6 +48,13 @@ class DiskEntry:
     tokens: list[int]
     nbytes: int  # of the whole file
     mtime: float
+    tenant: str = ""  # tenant_tag() of the cache namespace that computed it
+
+
+def tenant_tag(namespace: str) -> str:
+    """How a cache namespace (GenerationRequest.cache_namespace) is written in a file: hashed,
+    so the files do not name accounts; "" for the shared namespace of open mode."""
+    return hashlib.sha256(namespace.encode()).hexdigest()[:32] if namespace else ""
 
 
 @dataclass
@@ -147,13 +154,15 @@ class DiskPromptCache:
 
     # ------------------------------------------------------------------ reading
 
-    def longest_prefix(self, tokens: list[int]) -> tuple[DiskEntry | None, int]:
+    def longest_prefix(self, tokens: list[int], namespace: str = "") -> tuple[DiskEntry | None, int]:
+        """The entry of `namespace` sharing the longest prefix with `tokens`, and its length."""
         if not self.enabled:
             return None, 0
         self._rescan()
         best, best_length = None, 0
+        tenant = tenant_tag(namespace)
         with self._lock:
-            entries = list(self._entries.values())
+            entries = [entry for entry in self._entries.values() if entry.tenant == tenant]
         for entry in entries:
             length = common_prefix_length(entry.tokens, tokens)
             if length > best_length:
@@ -163,7 +172,7 @@ class DiskPromptCache:
     def load(self, entry: DiskEntry) -> np.ndarray | None:
         """The entry's state, or None (and the file forgotten) if it is gone or unreadable."""
         try:
-            tokens, state = self._read(entry.path, with_state=True)
+            tokens, state, _ = self._read(entry.path, with_state=True)
         except FileNotFoundError:  # evicted, possibly by another server
             self._forget(entry.path)
             return None
@@ -182,11 +191,13 @@ class DiskPromptCache:
 
     # ------------------------------------------------------------------ writing
 
-    def store(self, tokens: list[int], state: np.ndarray) -> None:
-        """Queue a state for writing (the caller's arrays must not change afterwards)."""
+    def store(self, tokens: list[int], state: np.ndarray, namespace: str = "") -> None:
+        """Queue a state of `namespace` for writing (the caller's arrays must not change
+        afterwards)."""
         if not self.enabled or state.nbytes > self.capacity_bytes:
             return
-        path = self._path_of(tokens)
+        tenant = tenant_tag(namespace)
+        path = self._path_of(tokens, tenant)
         with self._lock:
             if path in self._entries:
                 return
@@ -195,7 +206,7 @@ class DiskPromptCache:
                 return
             self._pending += 1
             self._queued_bytes += state.nbytes
-        self._writes.put((tokens, state))
+        self._writes.put((tokens, state, tenant))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until queued writes are on disk; False if time ran out."""
@@ -228,12 +239,12 @@ class DiskPromptCache:
                     self._queued_bytes -= item[1].nbytes
                     self._done.notify_all()
 
-    def _write(self, tokens: list[int], state: np.ndarray) -> None:
-        path = self._path_of(tokens)
+    def _write(self, tokens: list[int], state: np.ndarray, tenant: str) -> None:
+        path = self._path_of(tokens, tenant)
         token_bytes = np.asarray(tokens, dtype="<i4").tobytes()
         header = json.dumps({"n_tokens": len(tokens), "state_bytes": int(state.nbytes),
                              "crc32": zlib.crc32(state) & 0xFFFFFFFF,
-                             "tokens_crc32": zlib.crc32(token_bytes) & 0xFFFFFFFF}).encode()
+                             "tokens_crc32": zlib.crc32(token_bytes) & 0xFFFFFFFF, "tenant": tenant}).encode()
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(temporary, "wb") as file:
@@ -250,7 +261,7 @@ class DiskPromptCache:
                 temporary.unlink()
         size = path.stat().st_size
         with self._lock:
-            self._entries[path] = DiskEntry(path, list(tokens), size, time.time())
+            self._entries[path] = DiskEntry(path, list(tokens), size, time.time(), tenant)
             self.stats.writes += 1
         self._evict()
 
@@ -279,17 +290,17 @@ class DiskPromptCache:
 
     # ------------------------------------------------------------------ the index
 
-    def _path_of(self, tokens: list[int]) -> Path:
-        digest = hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+    def _path_of(self, tokens: list[int], tenant: str) -> Path:
+        digest = hashlib.sha256(tenant.encode() + np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
         return self.directory / f"{digest}{SUFFIX}"
 
-    def _read(self, path: Path, *, with_state: bool) -> tuple[list[int], np.ndarray | None]:
+    def _read(self, path: Path, *, with_state: bool) -> tuple[list[int], np.ndarray | None, str]:
         try:
             return self._read_file(path, with_state=with_state)
         except (KeyError, TypeError, struct.error, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed header ({exc})") from exc
 
-    def _read_file(self, path: Path, *, with_state: bool) -> tuple[list[int], np.ndarray | None]:
+    def _read_file(self, path: Path, *, with_state: bool) -> tuple[list[int], np.ndarray | None, str]:
         with open(path, "rb") as file:
             if file.read(len(MAGIC)) != MAGIC:
                 raise ValueError("not a fastrun prompt-cache file")
@@ -298,6 +309,9 @@ class DiskPromptCache:
                 raise ValueError("header too long")
             header = json.loads(file.read(length))
             n_tokens, state_bytes = int(header["n_tokens"]), int(header["state_bytes"])
+            tenant = header.get("tenant", "")
+            if not isinstance(tenant, str):
+                raise ValueError("malformed tenant")
             token_bytes = file.read(4 * n_tokens)
             if len(token_bytes) != 4 * n_tokens or zlib.crc32(token_bytes) & 0xFFFFFFFF != header["tokens_crc32"]:
                 raise ValueError("truncated or corrupt tokens")
@@ -305,13 +319,13 @@ class DiskPromptCache:
             if not with_state:
                 if os.fstat(file.fileno()).st_size != file.tell() + state_bytes:
                     raise ValueError("truncated")
-                return tokens, None
+                return tokens, None, tenant
             state = np.empty(state_bytes, dtype=np.uint8)
             if file.readinto(memoryview(state)) != state_bytes or file.read(1):
                 raise ValueError("truncated or too long")
         if zlib.crc32(state) & 0xFFFFFFFF != header["crc32"]:
             raise ValueError("corrupt state (checksum mismatch)")
-        return tokens, state
+        return tokens, state, tenant
 
     def _rescan(self, *, force: bool = False) -> None:
         """Index files this process does not know yet (written by another server sharing the
@@ -340,7 +354,7 @@ class DiskPromptCache:
                 info = present[path].stat()
                 if (path, info.st_mtime) in self._unreadable:
                     continue
-                tokens, _ = self._read(path, with_state=False)
+                tokens, _, tenant = self._read(path, with_state=False)
             except FileNotFoundError:
                 continue
             except (OSError, ValueError) as exc:
@@ -348,7 +362,7 @@ class DiskPromptCache:
                 self._skip(path, exc)
                 continue
             with self._lock:
-                self._entries[path] = DiskEntry(path, tokens, info.st_size, info.st_mtime)
+                self._entries[path] = DiskEntry(path, tokens, info.st_size, info.st_mtime, tenant)
         self._update_totals()
 
     def _skip(self, path: Path, reason: Exception) -> None:

@@ -170,6 +170,12 @@ class EngineStats:
     grammar_steps: TimeHistogram = dataclasses.field(default_factory=TimeHistogram)  # grammar CPU time per token
 
 
+
+def _shared_prefix(slot: Slot, prompt: list[int], namespace: str) -> int:
+    """The prefix of `prompt` a request of `namespace` may reuse from the slot's KV: none of
+    what another namespace computed (its cached_tokens and speed would tell what it sent)."""
+    return common_prefix_length(slot.cache_tokens, prompt) if slot.namespace == namespace else 0
+
 class ThroughputMeter:
     """Exponentially weighted tokens/s of recent decode steps and tokens per answer."""
 
@@ -352,7 +358,7 @@ class Engine:
             for slot in self._slots:
                 state = self._sequence_state(slot)
                 if state is not None:
-                    self.disk_cache.store(list(slot.cache_tokens), state)
+                    self.disk_cache.store(list(slot.cache_tokens), state, slot.namespace)
         if self._draft_runner is not None:
             self._draft_runner.close()
         if self._embedder is not None:
@@ -374,21 +380,22 @@ class Engine:
         Any thread."""
         self.stats.host_evictions += self._prompt_cache.insert(entry)
 
-    def cached_prefix(self, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` this engine already holds, in a slot or in the
-        host cache (for routing; read without stopping the scheduler, so approximate)."""
-        in_slots = max((common_prefix_length(list(slot.cache_tokens), tokens) for slot in self._slots), default=0)
-        _, in_host = self._prompt_cache.longest_prefix(tokens)
+    def cached_prefix(self, tokens: list[int], namespace: str = "") -> int:
+        """How many leading tokens of `tokens` this engine already holds for `namespace`, in a
+        slot or in the host cache (for routing; read without stopping the scheduler, so
+        approximate)."""
+        in_slots = max((_shared_prefix(slot, tokens, namespace) for slot in self._slots), default=0)
+        _, in_host = self._prompt_cache.longest_prefix(tokens, namespace)
         return max(in_slots, in_host)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def held_sequences(self) -> list[list[int]]:
-        """Token sequences whose KV this engine holds: in its slots and its host cache (for
-        routing; approximate)."""
-        return [list(slot.cache_tokens) for slot in self._slots] + self._prompt_cache.sequences()
+    def held_sequences(self) -> list[tuple[str, list[int]]]:
+        """(namespace, tokens) of the sequences whose KV this engine holds: in its slots and its
+        host cache (for routing; approximate)."""
+        return [(slot.namespace, list(slot.cache_tokens)) for slot in self._slots] + self._prompt_cache.sequences()
 
     def kv_usage(self) -> float:
         """Share of the KV cache the running requests hold (0..1), approximately."""
@@ -545,12 +552,13 @@ class Engine:
         prompt = request.prompt_tokens
         free = [slot for slot in self._slots if slot.is_free]
         # Longest shared prefix wins; ties and misses go to the least recently used slot.
-        leader = max(free, key=lambda s: (common_prefix_length(s.cache_tokens, prompt), -s.last_used))
+        namespace = request.cache_namespace
+        leader = max(free, key=lambda s: (_shared_prefix(s, prompt, namespace), -s.last_used))
         if request.prompt_logprobs is None:
-            source = self._prepare_prefix(leader, prompt)
-            reused = self._reuse_prefix(leader, prompt)
+            source = self._prepare_prefix(leader, prompt, namespace)
+            reused = self._reuse_prefix(leader, prompt, namespace)
         else:  # echo with logprobs: every prompt position's logits are needed, cached or not
-            self._save_if_unrelated(leader, prompt)
+            self._save_if_unrelated(leader, prompt, namespace)
             llama.llama_memory_seq_rm(self._memory, leader.seq_id, -1, -1)
             leader.forget_cache()
             source, reused = "miss", 0
@@ -603,12 +611,12 @@ class Engine:
             return None
         return NgramDrafter(self.config.speculation, request.prompt_tokens)
 
-    def _prepare_prefix(self, slot: Slot, prompt: list[int]) -> str:
-        """Give the slot the longest cached prefix of `prompt` there is: its own, or one restored
-        from the host cache. What the slot is about to lose is saved to the host cache first.
-        Returns where the prefix comes from, "slot" or "host"."""
-        in_slot = common_prefix_length(slot.cache_tokens, prompt)
-        entry, in_host = self._prompt_cache.longest_prefix(prompt)
+    def _prepare_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> str:
+        """Give the slot the longest cached prefix of `prompt` that `namespace` may reuse: its
+        own, or one restored from the host cache. What the slot is about to lose is saved to
+        the host cache first. Returns where the prefix comes from, "slot" or "host"."""
+        in_slot = _shared_prefix(slot, prompt, namespace)
+        entry, in_host = self._prompt_cache.longest_prefix(prompt, namespace)
         if entry is not None and not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
             entry = None
         if entry is not None and in_host > in_slot:
@@ -617,15 +625,15 @@ class Engine:
             self._save(slot)
             source, entry.source = entry.source, "host"  # from now on it is served from RAM
             return source if self._restore(slot, entry) else "slot"
-        self._save_if_unrelated(slot, prompt)
+        self._save_if_unrelated(slot, prompt, namespace)
         return "slot"
 
-    def _save_if_unrelated(self, slot: Slot, prompt: list[int]) -> None:
+    def _save_if_unrelated(self, slot: Slot, prompt: list[int], namespace: str) -> None:
         """Save the slot's sequence when it goes to a different conversation (it would lose more
         than it keeps). A related prompt - the same long system prompt, the next turn - keeps
         most of it, and copying the whole sequence out for a short tail would cost the request
         more time than a later hit on that tail could save."""
-        kept = common_prefix_length(slot.cache_tokens, prompt)
+        kept = _shared_prefix(slot, prompt, namespace)
         lost = len(slot.cache_tokens) - kept
         if lost >= MIN_SAVED_TOKENS and lost > kept:
             self._save(slot)
@@ -633,16 +641,16 @@ class Engine:
     def _save(self, slot: Slot) -> None:
         """Keep what the slot holds in the host cache, and write it to the disk tier."""
         tokens = slot.cache_tokens
-        if not self._prompt_cache.enabled or self._prompt_cache.covers(tokens):
+        if not self._prompt_cache.enabled or self._prompt_cache.covers(tokens, slot.namespace):
             return
         state = self._sequence_state(slot)
         if state is None:
             return
         tokens = list(tokens)
         self.stats.host_saves += 1
-        self.stats.host_evictions += self._prompt_cache.insert(CachedSequence(tokens, state))
+        self.stats.host_evictions += self._prompt_cache.insert(CachedSequence(tokens, state, namespace=slot.namespace))
         if self.disk_cache is not None:
-            self.disk_cache.store(tokens, state)  # written by the disk tier's own thread
+            self.disk_cache.store(tokens, state, slot.namespace)  # written by the disk tier's own thread
 
     def _sequence_state(self, slot: Slot) -> np.ndarray | None:
         if len(slot.cache_tokens) < MIN_SAVED_TOKENS:
@@ -660,11 +668,13 @@ class Engine:
             llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
             return False
         slot.cache_tokens = list(entry.tokens)
+        slot.namespace = entry.namespace
         return True
 
-    def _reuse_prefix(self, slot: Slot, prompt: list[int]) -> int:
-        """Drop the slot's KV past the prefix it shares with `prompt`; return that prefix length."""
-        reused = common_prefix_length(slot.cache_tokens, prompt)
+    def _reuse_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> int:
+        """Drop the slot's KV past the prefix `namespace` may reuse of `prompt`; return that
+        prefix length."""
+        reused = _shared_prefix(slot, prompt, namespace)
         reused = min(reused, len(prompt) - 1)  # the last prompt token must be evaluated for logits
         if reused > 0 and self.model.n_swa > 0:
             # A sliding-window cache may have dropped positions the reused prefix still needs.

@@ -97,7 +97,7 @@ class EnginePool:
 
     # What a Ray replica reports of the pool it runs (one engine there).
 
-    def held_sequences(self) -> list[list[int]]:
+    def held_sequences(self) -> list[tuple[str, list[int]]]:
         return [tokens for replica in self._replicas for tokens in replica.engine.engine.held_sequences()]
 
     def retry_after_s(self) -> int:
@@ -138,7 +138,7 @@ class EnginePool:
         for replica in candidates:
             engine = replica.engine.engine
             running, waiting = engine.load()
-            loads.append(ReplicaLoad(replica.index, engine.cached_prefix(prompt), running,
+            loads.append(ReplicaLoad(replica.index, engine.cached_prefix(prompt, request.cache_namespace), running,
                                      waiting + replica.submitting, engine.config.slots))
         by_index = {replica.index: replica for replica in candidates}
         ranked = [by_index[index] for index in rank_replicas(loads)]

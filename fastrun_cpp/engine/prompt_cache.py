@@ -17,6 +17,7 @@ class CachedSequence:
     tokens: list[int]  # the sequence's KV holds exactly these, from position 0
     state: np.ndarray  # llama_state_seq_get_data() bytes
     source: str = "host"  # "disk" when loaded from the disk tier
+    namespace: str = ""  # the cache namespace that computed it (GenerationRequest.cache_namespace)
     key: int = field(default_factory=count().__next__)
 
     @property
@@ -41,25 +42,27 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.capacity_bytes > 0
 
-    def longest_prefix(self, tokens: list[int]) -> tuple[CachedSequence | None, int]:
-        """The entry sharing the longest prefix with `tokens`, and that prefix's length."""
+    def longest_prefix(self, tokens: list[int], namespace: str = "") -> tuple[CachedSequence | None, int]:
+        """The entry of `namespace` sharing the longest prefix with `tokens`, and that prefix's
+        length."""
         best, best_length = None, 0
         with self._lock:
-            entries = list(self._entries.values())
+            entries = [entry for entry in self._entries.values() if entry.namespace == namespace]
         for entry in entries:
             length = common_prefix_length(entry.tokens, tokens)
             if length > best_length:
                 best, best_length = entry, length
         return best, best_length
 
-    def sequences(self) -> list[list[int]]:
+    def sequences(self) -> list[tuple[str, list[int]]]:
+        """(namespace, tokens) of every entry."""
         with self._lock:
-            return [entry.tokens for entry in self._entries.values()]
+            return [(entry.namespace, entry.tokens) for entry in self._entries.values()]
 
-    def covers(self, tokens: list[int]) -> bool:
-        """Whether some entry already holds all of `tokens` (as its own prefix)."""
+    def covers(self, tokens: list[int], namespace: str = "") -> bool:
+        """Whether some entry of `namespace` already holds all of `tokens` (as its own prefix)."""
         with self._lock:
-            entries = list(self._entries.values())
+            entries = [entry for entry in self._entries.values() if entry.namespace == namespace]
         return any(
             len(entry.tokens) >= len(tokens) and common_prefix_length(entry.tokens, tokens) == len(tokens)
             for entry in entries
@@ -77,8 +80,8 @@ class PromptCache:
         if entry.nbytes > self.capacity_bytes:
             return 0
         with self._lock:
-            for old in [e for e in self._entries.values()
-                        if common_prefix_length(e.tokens, entry.tokens) == len(e.tokens)]:
+            for old in [e for e in self._entries.values() if e.namespace == entry.namespace
+                        and common_prefix_length(e.tokens, entry.tokens) == len(e.tokens)]:
                 self._remove(old)  # a prefix of the new entry: the new one serves all its hits
             evicted = 0
             while self.nbytes + entry.nbytes > self.capacity_bytes:

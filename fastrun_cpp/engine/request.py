@@ -40,6 +40,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob and the N most likely
     speculative: bool = True  # may speculative decoding draft for it (when the engine drafts)
     kind: Literal["generate", "embed"] = "generate"
+    # Whose cached prompts it may reuse, and whose its own prompt becomes: a request never
+    # reuses KV that another namespace computed ("": one namespace for all, as in open mode).
+    cache_namespace: str = ""
     embed_inputs: list[list[int]] | None = None  # kind "embed": the token lists to embed, in order
 
 

@@ -19,23 +19,24 @@ BLOCK_TOKENS = 64  # prefix granularity of routing stats
 IMBALANCE_THRESHOLD = 4  # requests more than the lightest replica before affinity yields
 
 
-def block_hashes(tokens: Sequence[int], block: int = BLOCK_TOKENS) -> list[int]:
-    """Chained hashes of the complete blocks of `tokens`: entry i names tokens[:(i+1)*block]."""
+def block_hashes(tokens: Sequence[int], namespace: str = "", block: int = BLOCK_TOKENS) -> list[int]:
+    """Chained hashes of the complete blocks of `tokens`: entry i names tokens[:(i+1)*block]
+    as computed in cache `namespace` (the chain starts from it: other namespaces never match)."""
     data = np.asarray(tokens, dtype="<i4").tobytes()
     width = 4 * block
     hashes = []
-    previous = b""
+    previous = namespace.encode()
     for end in range(width, len(data) + 1, width):
         previous = hashlib.blake2b(previous + data[end - width:end], digest_size=8).digest()
         hashes.append(int.from_bytes(previous, "little", signed=True))
     return hashes
 
 
-def held_hashes(sequences: Iterable[Sequence[int]], block: int = BLOCK_TOKENS) -> set[int]:
-    """Every prefix block any of these token sequences holds."""
+def held_hashes(sequences: Iterable[tuple[str, Sequence[int]]], block: int = BLOCK_TOKENS) -> set[int]:
+    """Every prefix block any of these (namespace, tokens) sequences holds."""
     held: set[int] = set()
-    for tokens in sequences:
-        held.update(block_hashes(tokens, block))
+    for namespace, tokens in sequences:
+        held.update(block_hashes(tokens, namespace, block))
     return held
 
 

@@ -16,6 +16,7 @@ class Slot:
     def __init__(self, seq_id: int) -> None:
         self.seq_id = seq_id
         self.cache_tokens: list[int] = []  # KV of these tokens, positions 0.., is in the context
+        self.namespace = ""  # the cache namespace of the request that computed that KV
         self.last_used = 0
         self.request: GenerationRequest | None = None
         # Per-request state, valid while `request` is set.
@@ -77,6 +78,7 @@ class Slot:
         self.index = index
         self.admitted_at = admitted_at
         self.cache_tokens = request.prompt_tokens[:reused] if leader else []
+        self.namespace = request.cache_namespace
         self.prompt_cursor = reused
         self.cached_tokens = reused if leader else 0
         self.max_tokens = max_tokens

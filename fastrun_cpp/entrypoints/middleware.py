@@ -155,18 +155,28 @@ class BodyLimitMiddleware:
         await self.app(scope, counting_receive, send)
 
 
+# Outside /v1, what needs a key once keys exist: the API's docs, and the metrics, which show
+# every account's use (an admin key: `fastrun-cpp keys admin`).
+KEYED_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+ADMIN_PATHS = frozenset({"/metrics"})
+NOT_ADMIN = "/metrics needs the key of an admin account (`fastrun-cpp keys admin ACCOUNT`)"
+
+
 class APIKeyMiddleware:
-    """Checks the bearer key of every /v1 request before its body is read, so unauthenticated
-    clients cannot make the server read (or parse) anything."""
+    """Checks the bearer key of every /v1 request (and of the docs and metrics) before its body
+    is read, so unauthenticated clients cannot make the server read (or parse) anything."""
 
     def __init__(self, app: ASGIApp, authenticator: Authenticator, prefix: str = "/v1") -> None:
         self.app = app
         self.authenticator = authenticator
         self.prefix = prefix
 
+    def _keyed(self, path: str) -> bool:
+        return path == self.prefix or path.startswith(self.prefix + "/") or path in KEYED_PATHS or path in ADMIN_PATHS
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not (path == self.prefix or path.startswith(self.prefix + "/")):
+        if scope["type"] != "http" or not self._keyed(path):
             await self.app(scope, receive, send)
             return
         authorization = _header(scope, b"authorization")
@@ -183,8 +193,12 @@ class APIKeyMiddleware:
                 response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, send)
             return
+        if key is not None and path in ADMIN_PATHS and not key.admin:
+            await APIError(403, NOT_ADMIN, "authentication_error").response(path)(scope, receive, send)
+            return
         if key is not None:
             record = current_record()
             if record is not None:
                 record.account = key.account
+                record.cache_namespace = key.cache_namespace
         await self.app(scope, receive, send)

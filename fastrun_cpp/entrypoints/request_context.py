@@ -16,6 +16,7 @@ class RequestRecord:
     started: float = field(default_factory=time.perf_counter)
     model: str | None = None
     account: str | None = None
+    cache_namespace: str = ""  # whose cached prompts it may reuse ("": open mode, one namespace)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

@@ -228,8 +228,8 @@ class FastrunRouter(RequestRouter):
         if not self._affinity:
             drawn = random.sample(candidates, min(2, len(candidates)))
             return [sorted(drawn, key=lambda r: self._replica_queue_len_cache.get(r.replica_id) or 0)]
-        prompt = _prompt_of(pending_request)
-        hashes = block_hashes(prompt) if prompt else []
+        prompt, namespace = _prompt_of(pending_request)
+        hashes = block_hashes(prompt, namespace) if prompt else []
         loads = []
         for replica in candidates:
             stats = replica.routing_stats or {}
@@ -248,18 +248,19 @@ class FastrunRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         if pending_request.metadata.call_method == "generate":
-            self._memory.remember(block_hashes(_prompt_of(pending_request)), replica_id)
+            self._memory.remember(block_hashes(*_prompt_of(pending_request)), replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._memory.forget(replica_id)
 
 
-def _prompt_of(pending_request: PendingRequest | None) -> list[int]:
+def _prompt_of(pending_request: PendingRequest | None) -> tuple[list[int], str]:
+    """The prompt of a generate call, and its cache namespace."""
     if pending_request is None or not pending_request.args or pending_request.metadata.call_method != "generate":
-        return []
+        return [], ""
     request = pending_request.args[0]
-    return list(getattr(request, "prompt_tokens", ()) or ())
+    return list(getattr(request, "prompt_tokens", ()) or ()), getattr(request, "cache_namespace", "")
 
 
 # ---------------------------------------------------------------- the ingress's client

@@ -238,6 +238,9 @@ class OpenAIServing:
         if self.log_prompts:
             logger.info("request %s prompt: %r", request.request_id,
                         served.runtime.tokenizer.detokenize(request.prompt_tokens))
+        record = current_record()
+        if record is not None:  # a tenant reuses only its own (or its group's) cached prompts
+            request.cache_namespace = record.cache_namespace
         try:
             stream = await served.engine.submit(request)
         except GrammarError as exc:
@@ -249,7 +252,6 @@ class OpenAIServing:
         except EngineError as exc:
             raise APIError(503, f"the model is not serving: {exc}", "unavailable", retry_after=5) from exc
         stream.set_deadline(self.stream_timeout_s if streaming else self.request_timeout_s)
-        record = current_record()
         if record is not None:
             record.track(stream)
         return stream
