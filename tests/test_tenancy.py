@@ -10,6 +10,7 @@ import pytest
 
 from tests.server import DEFAULT_MODEL, run_server, wait_until
 from tests.test_keys import bearer, create_key, keys_cli
+from tests.test_observability import metric
 from tests.test_prefix_cache import document
 
 
@@ -92,6 +93,12 @@ def test_metrics_need_an_admin_key_and_the_docs_a_key(tmp_path):
         assert refused.status_code == 403
         assert refused.json()["error"]["type"] == "authentication_error" and "admin" in refused.json()["error"]["message"]
         assert httpx.get(metrics, headers=bearer(carol)).status_code == 200
+        usage = ask(server, alice, "You are brief.", "Hi.")
+        text = httpx.get(metrics, headers=bearer(carol)).text
+        assert metric(text, "fastrun_account_requests_total", account="alice") == 1
+        for kind, tokens in (("prompt", usage["prompt_tokens"]), ("completion", usage["completion_tokens"])):
+            assert metric(text, "fastrun_account_tokens_total", account="alice", kind=kind) == tokens
+        assert metric(text, "fastrun_account_requests_total", account="carol") == 0  # reading metrics is no use
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert httpx.get(f"{server.root_url}{path}").status_code == 401, path
             assert httpx.get(f"{server.root_url}{path}", headers=bearer(alice)).status_code == 200, path

@@ -15,6 +15,7 @@ disable_created_metrics()  # no `_created` series: they double the output and no
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+MAX_ACCOUNT_LABELS = 1000  # accounts named in per-account series; the rest are counted as "other"
 
 
 class ServerMetrics:
@@ -41,7 +42,22 @@ class ServerMetrics:
             "fastrun_inter_token_latency_seconds", "Gap between consecutive generated tokens.", ["model"],
             buckets=TOKEN_GAP_BUCKETS, registry=r,
         )
+        # Per account (keys on; /metrics then needs an admin key): what each tenant used.
+        self.account_requests = Counter("fastrun_account_requests", "Requests served per account.", ["account"],
+                                        registry=r)
+        self.account_tokens = Counter("fastrun_account_tokens", "Tokens per account: prompt, cached (of the prompt) "
+                                      "and completion.", ["account", "kind"], registry=r)
+        self._accounts: set[str] = set()
         r.register(_EngineCollector(engines, grammar_failures))
+
+    def count_account(self, account: str, prompt: int, cached: int, completion: int) -> None:
+        if account not in self._accounts and len(self._accounts) >= MAX_ACCOUNT_LABELS:
+            account = "other"
+        else:
+            self._accounts.add(account)
+        self.account_requests.labels(account).inc()
+        for kind, tokens in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            self.account_tokens.labels(account, kind).inc(tokens)
 
 
 class _EngineCollector(Collector):

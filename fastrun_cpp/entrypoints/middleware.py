@@ -73,6 +73,9 @@ class RequestContextMiddleware:
             self.metrics.request_seconds.labels(route).observe(duration)
             if error_type is not None:
                 self.metrics.errors.labels(error_type).inc()
+            if record.account is not None and record.model is not None:
+                self.metrics.count_account(record.account, record.prompt_tokens, record.cached_tokens,
+                                           record.completion_tokens)
         line = {
             "request_id": record.request_id,
             "method": scope.get("method"),
