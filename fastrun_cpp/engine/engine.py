@@ -170,11 +170,11 @@ class EngineStats:
     grammar_steps: TimeHistogram = dataclasses.field(default_factory=TimeHistogram)  # grammar CPU time per token
 
 
-
 def _shared_prefix(slot: Slot, prompt: list[int], namespace: str) -> int:
     """The prefix of `prompt` a request of `namespace` may reuse from the slot's KV: none of
     what another namespace computed (its cached_tokens and speed would tell what it sent)."""
     return common_prefix_length(slot.cache_tokens, prompt) if slot.namespace == namespace else 0
+
 
 class ThroughputMeter:
     """Exponentially weighted tokens/s of recent decode steps and tokens per answer."""

@@ -54,8 +54,7 @@ class FailoverStream:
         self._on_replica_failed = on_replica_failed
         self._inner: ReplicaStream | None = None
         self._tried: set[str] = set()
-        self._produced = False
-        self._tokens: dict[int, int] = {}  # choice -> tokens delivered
+        self._tokens: dict[int, int] = {}  # choice -> tokens delivered (none yet: it may still fail over)
         self._stopped_at: dict[int, int] = {}  # choice -> tokens delivered when it was stopped
         self._timer: asyncio.TimerHandle | None = None
         self._timed_out = False
@@ -97,22 +96,14 @@ class FailoverStream:
                 raise RequestTimedOut("the request ran past its time limit")
             try:
                 output = await self._inner.__anext__()
-            except StopAsyncIteration:
-                if self._timed_out:
+            except (StopAsyncIteration, EngineError) as ended:
+                if self._timed_out:  # the deadline closed the replica's stream
                     raise RequestTimedOut("the request ran past its time limit") from None
+                if self._may_fail_over(ended):
+                    await self._attach(ended)
+                    continue
                 self._end()
                 raise
-            except (RequestRejected, RequestTimedOut):
-                self._end()
-                raise
-            except EngineError as failure:
-                if self._timed_out:
-                    raise RequestTimedOut("the request ran past its time limit") from None
-                if self._produced or self._retries_left <= 0 or self._closed:
-                    self._end()
-                    raise
-                await self._attach(failure)
-                continue
             self._count(output)
             return output
 
@@ -156,9 +147,13 @@ class FailoverStream:
                 self._inner.close()
             return
 
+    def _may_fail_over(self, ended: BaseException) -> bool:
+        """A replica failing the request (not the request's own error) before its first token."""
+        return (isinstance(ended, EngineError) and not isinstance(ended, RequestRejected) and not self._tokens
+                and self._retries_left > 0 and not self._closed)
+
     def _count(self, output: GenerationOutput) -> None:
         if output.token_ids:
-            self._produced = True
             self._tokens[output.index] = self._tokens.get(output.index, 0) + len(output.token_ids)
         if output.finished and output.index in self._stopped_at:
             output.completion_tokens = min(output.completion_tokens, self._stopped_at[output.index])

@@ -46,7 +46,8 @@ class Faults:
             elif name in ("replica-exit", "replica-exit-queued"):
                 pass  # Ray replicas read it themselves (runtime.ray_backend)
             else:
-                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang, grammar-hang, replica-exit, replica-exit-queued)")
+                raise ValueError(f"unknown fault {name!r} (known: load-delay, decode-fail, schema-hang, grammar-hang, "
+                                 "replica-exit, replica-exit-queued)")
         faults.decode_failures = frozenset(failures)
         return faults
 

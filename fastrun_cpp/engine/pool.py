@@ -98,7 +98,7 @@ class EnginePool:
     # What a Ray replica reports of the pool it runs (one engine there).
 
     def held_sequences(self) -> list[tuple[str, list[int]]]:
-        return [tokens for replica in self._replicas for tokens in replica.engine.engine.held_sequences()]
+        return [sequence for replica in self._replicas for sequence in replica.engine.engine.held_sequences()]
 
     def retry_after_s(self) -> int:
         return min(replica.engine.engine.retry_after_s() for replica in self._replicas)

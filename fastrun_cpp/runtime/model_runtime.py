@@ -197,9 +197,9 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
     if directory is None or config.prompt_cache_disk_gib <= 0:
         return None
     namespace = namespace_of(
-        model=file_identity(path, known=directory / IDENTITIES_FILE), n_swa=model.n_swa, swa_full=settings.swa_full, type_k=settings.cache_type_k,
-        type_v=settings.cache_type_v, flash_attn=settings.flash_attn, deterministic=is_deterministic(config),
-        llama_cpp=llama_cpp.__version__, build=system_info(),
+        model=file_identity(path, known=directory / IDENTITIES_FILE), n_swa=model.n_swa, swa_full=settings.swa_full,
+        type_k=settings.cache_type_k, type_v=settings.cache_type_v, flash_attn=settings.flash_attn,
+        deterministic=is_deterministic(config), llama_cpp=llama_cpp.__version__, build=system_info(),
     )
     return DiskPromptCache(directory, namespace, int(config.prompt_cache_disk_gib * 2**30))
 
