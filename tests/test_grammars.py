@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from fastrun_cpp.default_model import embedded_model_path
-from fastrun_cpp.engine.grammar import GrammarCompiler, GrammarError
+from fastrun_cpp.engine.errors import GrammarError
+from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.structured import base_grammar
 from fastrun_cpp.parsers import TOOL_PARSERS

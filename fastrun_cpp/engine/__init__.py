@@ -4,12 +4,20 @@ Nothing in this package knows about HTTP.
 """
 
 from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream
-from fastrun_cpp.engine.failover import FailoverStream, RequestTimedOut
-from fastrun_cpp.engine.engine import CapacityError, Engine, EngineConfig, EngineStats, PromptTooLongError
-from fastrun_cpp.engine.faults import Faults
-from fastrun_cpp.engine.model import LlamaModel, ModelLoadError
-from fastrun_cpp.engine.request import (
+from fastrun_cpp.engine.errors import (
+    CapacityError,
     EngineError,
+    ModelLoadError,
+    PromptTooLongError,
+    RequestRejected,
+    RequestTimedOut,
+)
+from fastrun_cpp.engine.failover import FailoverStream
+from fastrun_cpp.engine.engine import Engine, EngineConfig
+from fastrun_cpp.engine.stats import EngineStats
+from fastrun_cpp.engine.faults import Faults
+from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.request import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
@@ -25,6 +33,7 @@ __all__ = [
     "Faults",
     "PromptTooLongError",
     "RequestStream",
+    "RequestRejected",
     "RequestTimedOut",
     "FailoverStream",
     "EngineError",

@@ -7,12 +7,15 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
-from fastrun_cpp.engine.engine import MIN_SAVED_TOKENS, Engine, EngineConfig, EngineStats
+from fastrun_cpp.engine.engine import Engine, EngineConfig
+from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS
+from fastrun_cpp.engine.stats import EngineStats
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.prompt_cache import CachedSequence
-from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest, RequestRejected
+from fastrun_cpp.engine.errors import EngineError, RequestRejected
+from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -165,14 +168,14 @@ class AsyncEngine:
     def _adopt_from_disk(self, prompt: list[int], namespace: str) -> None:
         entry, length = self._disk.longest_prefix(prompt, namespace)
         usable = min(length, len(prompt) - 1)
-        if entry is not None and not self.engine.state_serves(len(entry.tokens), usable):
+        if entry is not None and not self.engine.kv_cache.state_serves(len(entry.tokens), usable):
             entry = None
-        if entry is None or usable < MIN_SAVED_TOKENS or usable <= self.engine.cached_prefix(prompt, namespace):
+        if entry is None or usable < MIN_SAVED_TOKENS or usable <= self.engine.kv_cache.cached_prefix(prompt, namespace):
             self._disk.stats.misses += 1
             return
         state = self._disk.load(entry)
         if state is not None:
-            self.engine.adopt(CachedSequence(entry.tokens, state, source="disk", namespace=namespace))
+            self.engine.kv_cache.adopt(CachedSequence(entry.tokens, state, source="disk", namespace=namespace))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

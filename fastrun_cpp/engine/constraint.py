@@ -16,11 +16,8 @@ from typing import Protocol
 import llama_cpp.llama_cpp as llama
 import numpy as np
 
+from fastrun_cpp.engine.errors import ConstraintError
 from fastrun_cpp.engine.sampling import Candidates, token_data_array
-
-
-class ConstraintError(RuntimeError):
-    """The grammar cannot go on: its step ran out of its work budget, or it reached an error."""
 
 
 class Constraint(Protocol):

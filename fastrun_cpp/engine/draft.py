@@ -15,15 +15,11 @@ import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.model import LlamaModel
-from fastrun_cpp.engine.request import EngineError
-from fastrun_cpp.engine.speculative import DraftLength, SpeculationConfig
+from fastrun_cpp.engine.errors import EngineError, VocabularyMismatch
+from fastrun_cpp.engine.speculative import DraftLength, DraftTurn, SpeculationConfig
 from fastrun_cpp.engine.tokens import common_prefix_length
 
 logger = logging.getLogger(__name__)
-
-
-class VocabularyMismatch(EngineError, ValueError):
-    pass
 
 
 def check_vocabularies(target: LlamaModel, draft: LlamaModel) -> None:
@@ -64,10 +60,23 @@ class DraftModelRunner:
         self._held: list[list[int]] = [[] for _ in range(slots)]  # tokens in each draft sequence
         self.lengths = [DraftLength(config) for _ in range(slots)]
 
-    def reset(self, seq_id: int) -> None:
+    def start(self, seq_id: int, prompt: list[int]) -> None:
         self.lengths[seq_id] = DraftLength(self.config)
 
-    def propose(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+    def accept(self, seq_id: int, tokens: list[int]) -> None:
+        pass  # the next proposal catches the draft sequence up with the context it is given
+
+    def propose(self, turns: list[DraftTurn], rows: int) -> dict[int, list[int]]:
+        """One batched drafting pass for all slots: rows are reserved before drafting."""
+        requests: dict[int, tuple[list[int], int]] = {}
+        for turn in turns:
+            limit = min(rows, turn.room)
+            if limit >= self.config.draft_min:
+                requests[turn.seq_id] = ([*turn.tokens, turn.pending], limit)
+                rows -= limit
+        return self._draft(requests)
+
+    def _draft(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         """Drafts for slots: {seq_id: (context so far, its last token still undecoded by the
         target, most tokens to draft)} -> {seq_id: greedy draft}."""
         limits = {seq: min(limit, self.lengths[seq].allowed()) for seq, (_, limit) in requests.items()}

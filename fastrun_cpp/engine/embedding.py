@@ -12,7 +12,7 @@ import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.model import LlamaModel
-from fastrun_cpp.engine.request import EngineError
+from fastrun_cpp.engine.errors import EngineError
 
 POOLING = {
     "mean": llama.LLAMA_POOLING_TYPE_MEAN,

@@ -3,12 +3,15 @@
 Each scheduler step is a single `llama_decode` whose batch holds the next token of every
 generating slot plus a bounded chunk of prompt tokens of slots still in prefill, so a long
 prompt never stalls the streams already running.
+
+The engine runs the step loop: decode, sample, and the failure paths. What each step holds is
+the Scheduler's plan (scheduler.py, with its RequestQueue); where KV comes from and goes is the
+KVCacheManager's (kv_cache.py); picked tokens become outputs in the OutputProcessor
+(output.py); drafts come from a Drafter (speculative.py, draft.py).
 """
 
 from __future__ import annotations
 
-import bisect
-import ctypes
 import dataclasses
 import logging
 import math
@@ -19,42 +22,38 @@ from dataclasses import dataclass
 from typing import Callable
 
 import llama_cpp.llama_cpp as llama
-import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.embedding import Embedder, model_pooling
+from fastrun_cpp.engine.errors import CapacityError, ConstraintError, EngineError, PromptTooLongError
 from fastrun_cpp.engine.faults import Faults
-from fastrun_cpp.engine.constraint import ConstraintError
 from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_scale
+from fastrun_cpp.engine.kv_cache import KVCacheManager, LlamaSequenceMemory
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
-from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.model import LlamaModel
-from fastrun_cpp.engine.request import (
-    EngineError,
-    FinishReason,
-    GenerationOutput,
-    GenerationRequest,
-)
+from fastrun_cpp.engine.output import OutputProcessor
+from fastrun_cpp.engine.prompt_cache import PromptCache
+from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.request_queue import FifoQueue, WaitingRequest
 from fastrun_cpp.engine.sampling import NO_TOKEN, Candidates, SamplerChain
+from fastrun_cpp.engine.scheduler import Admission, Scheduler
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.speculative import (
     Acceptance,
-    NgramDrafter,
+    Drafter,
+    DraftTurn,
+    NgramDrafting,
     SpeculationConfig,
     StepCosts,
     worth_verifying,
 )
-from fastrun_cpp.engine.tokens import common_prefix_length
+from fastrun_cpp.engine.stats import EngineStats, ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
 OutputHandler = Callable[[list[GenerationOutput]], None]
-
-# Prefixes shorter than this are cheaper to recompute than to save and restore.
-MIN_SAVED_TOKENS = 32
-_BYTES = ctypes.POINTER(ctypes.c_uint8)
 
 # What an injected decode failure returns: llama.cpp's "fatal error" range.
 INJECTED_FAILURE = -3
@@ -72,35 +71,10 @@ _CACHE_TYPES = {
 }
 
 
-class PromptTooLongError(EngineError, ValueError):
-    pass
-
-
-@dataclass
-class _Waiting:
-    """A queued request and the choices of it not started yet. A request with more choices
-    than slots runs them in waves: the first takes as many slots as there are (the prompt is
-    evaluated once for all of them), later ones start as slots free up and find the prompt's
-    KV in the cache."""
-
-    request: GenerationRequest
-    grammar: CompiledGrammar | None
-    pending: list[int]  # choice indices, in order
-    started: bool = False
-
-
 @dataclass
 class _EmbedJob:
     request: GenerationRequest
     vectors: list[list[float]] = dataclasses.field(default_factory=list)
-
-
-class CapacityError(EngineError):
-    """Every slot is busy and the wait queue is full."""
-
-    def __init__(self, retry_after_s: int) -> None:
-        super().__init__("all slots are busy and the wait queue is full")
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -126,72 +100,6 @@ class EngineConfig:
     embeddings: bool = False  # serves embeddings too
     embedding_pooling: str | None = None  # mean / cls / last; unset: the GGUF's, else mean
     speculation: SpeculationConfig = SpeculationConfig(kind="none")
-
-
-GRAMMAR_STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
-
-
-@dataclass
-class TimeHistogram:
-    """Counts of durations (s) at or under each of GRAMMAR_STEP_BUCKETS (last: over them all),
-    and their sum; adds up across replicas like the counters beside it."""
-
-    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(GRAMMAR_STEP_BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(GRAMMAR_STEP_BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    def __add__(self, other: TimeHistogram) -> TimeHistogram:
-        return TimeHistogram([a + b for a, b in zip(self.counts, other.counts)], self.total + other.total)
-
-
-@dataclass
-class EngineStats:
-    """Counters since start; read from other threads without locking (approximate is fine)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens not evaluated, from either cache
-    slot_hits: int = 0  # requests that reused a prefix left in their slot
-    host_hits: int = 0  # requests that restored a prefix from the host-RAM cache
-    misses: int = 0
-    disk_hits: int = 0  # requests that restored a prefix loaded from the disk tier
-    host_saves: int = 0
-    host_evictions: int = 0
-    generated_tokens: int = 0
-    decode_failures: int = 0
-    drafted_tokens: int = 0  # speculative drafts verified
-    accepted_tokens: int = 0  # of which accepted
-    steps: int = 0
-    step_seconds: float = 0.0  # whole scheduler steps
-    decode_seconds: float = 0.0  # of which inside llama_decode (the rest is Python and sampling)
-    grammar_steps: TimeHistogram = dataclasses.field(default_factory=TimeHistogram)  # grammar CPU time per token
-
-
-def _shared_prefix(slot: Slot, prompt: list[int], namespace: str) -> int:
-    """The prefix of `prompt` a request of `namespace` may reuse from the slot's KV: none of
-    what another namespace computed (its cached_tokens and speed would tell what it sent)."""
-    return common_prefix_length(slot.cache_tokens, prompt) if slot.namespace == namespace else 0
-
-
-class ThroughputMeter:
-    """Exponentially weighted tokens/s of recent decode steps and tokens per answer."""
-
-    def __init__(self, weight: float = 0.1) -> None:
-        self._weight = weight
-        self.tokens_per_s = 0.0
-        self.tokens_per_answer = 64.0  # a prior until answers have been seen
-
-    def step(self, tokens: int, seconds: float) -> None:
-        if tokens and seconds > 0:
-            rate = tokens / seconds
-            self.tokens_per_s = rate if self.tokens_per_s == 0 else (
-                self.tokens_per_s + self._weight * (rate - self.tokens_per_s))
-
-    def answer(self, tokens: int) -> None:
-        self.tokens_per_answer += self._weight * (tokens - self.tokens_per_answer)
 
 
 class Engine:
@@ -235,35 +143,38 @@ class Engine:
         self._ctx = llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
             raise EngineError("llama.cpp could not create a context (out of memory?)")
-        self._memory = llama.llama_get_memory(self._ctx)
         self._batch = TokenBatch(config.batch_size)
-        self._draft_runner: DraftModelRunner | None = None
+        self._drafter: Drafter | None = None
         if config.speculation.kind == "draft":
             if draft_model is None:
                 raise ValueError("speculation with a draft model needs the draft model")
             check_vocabularies(model, draft_model)
-            self._draft_runner = DraftModelRunner(
+            self._drafter = DraftModelRunner(
                 draft_model, slots=config.slots, ctx_size=config.ctx_size, threads=config.threads,
                 batch_size=config.batch_size, config=config.speculation)
+        elif config.speculation.kind == "ngram":
+            self._drafter = NgramDrafting(config.speculation)
         self._candidates = Candidates(model.n_vocab)
         self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
-        self._waiting: deque[_Waiting] = deque()
+        self.stats = EngineStats()
+        self.kv_cache = KVCacheManager(
+            LlamaSequenceMemory(self._ctx), self._slots, n_swa=model.n_swa,
+            prompt_cache=PromptCache(config.prompt_cache_mib * 2**20), disk_cache=disk_cache, counters=self.stats)
+        self._scheduler = Scheduler(self._slots, FifoQueue(), batch_capacity=self._batch.capacity,
+                                    speculation=config.speculation)
+        self._outputs = OutputProcessor(self.kv_cache, model.eog_token_ids, self._answer_finished)
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._embedder: Embedder | None = None  # made at the first embedding request
         self._embed_jobs: deque[_EmbedJob] = deque()
         self._clock = 0  # increases every admission; orders slots by recency
-        self._clock_steps = 0  # increases every step; orders slots' turns to draft
         self._grammar_step_ms = config.grammar_step_ms * vocabulary_scale(model.n_vocab)
         self._step_costs = StepCosts()  # what steps of each size take here: drafts pay their rows
         self._acceptance = Acceptance(weight=0.1)  # over all slots: where a new request's starts
-        self._prompt_cache = PromptCache(config.prompt_cache_mib * 2**20)
-        self.disk_cache = disk_cache
-        self.stats = EngineStats()
         self._throughput = ThroughputMeter()
         self._faults = faults or Faults()
 
         self._lock = threading.Condition()
-        self._inbox: list[_Waiting] = []
+        self._inbox: list[WaitingRequest] = []
         self._aborts: set[tuple[str, int | None]] = set()
         self._unfinished: dict[str, int] = {}  # choices added and not yet finished, by request (guarded by _lock)
         self._stopping = False
@@ -313,17 +224,14 @@ class Engine:
                 raise EngineError("the engine is shutting down")
             # Counted in places: each choice running or waiting takes one, and choices beyond
             # the slot count run in later waves of the request's own places.
-            if self._places() + self._places_of(request.n) > self.config.slots + self.config.max_queue:
+            if self._places() + self._scheduler.places_of(request.n) > self.config.slots + self.config.max_queue:
                 raise CapacityError(self.retry_after_s())
             self._unfinished[request.request_id] = self._unfinished.get(request.request_id, 0) + request.n
-            self._inbox.append(_Waiting(request, grammar, list(range(request.n))))
+            self._inbox.append(WaitingRequest(request, grammar, list(range(request.n))))
             self._lock.notify()
 
-    def _places_of(self, choices: int) -> int:
-        return min(choices, self.config.slots)
-
     def _places(self) -> int:
-        return sum(self._places_of(choices) for choices in self._unfinished.values())
+        return sum(self._scheduler.places_of(choices) for choices in self._unfinished.values())
 
     def retry_after_s(self) -> int:
         """When a slot is likely to be free for one more request, from the current decode rate."""
@@ -354,48 +262,19 @@ class Engine:
             self._lock.notify()
         if self._thread.is_alive():
             self._thread.join()
-        if self._ctx and self.disk_cache is not None and self.disk_cache.enabled:
-            for slot in self._slots:
-                state = self._sequence_state(slot)
-                if state is not None:
-                    self.disk_cache.store(list(slot.cache_tokens), state, slot.namespace)
-        if self._draft_runner is not None:
-            self._draft_runner.close()
+        if self._ctx:
+            self.kv_cache.persist()
+        if self._drafter is not None:
+            self._drafter.close()
         if self._embedder is not None:
             self._embedder.close()
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
 
-    def state_serves(self, saved: int, prefix: int) -> bool:
-        """Whether a saved state of `saved` tokens can serve a reuse of its first `prefix`. A
-        saved state keeps sliding-window KV for the last window of its tokens only (llama.cpp
-        drops the rest when saving): past one window it serves just prompts that continue all
-        of it, as the next turn of a chat does."""
-        n_swa = self.model.n_swa
-        return n_swa == 0 or saved < n_swa or prefix >= saved
-
-    def adopt(self, entry: CachedSequence) -> None:
-        """Put a saved state (loaded from the disk tier) where the next admission finds it.
-        Any thread."""
-        self.stats.host_evictions += self._prompt_cache.insert(entry)
-
-    def cached_prefix(self, tokens: list[int], namespace: str = "") -> int:
-        """How many leading tokens of `tokens` this engine already holds for `namespace`, in a
-        slot or in the host cache (for routing; read without stopping the scheduler, so
-        approximate)."""
-        in_slots = max((_shared_prefix(slot, tokens, namespace) for slot in self._slots), default=0)
-        _, in_host = self._prompt_cache.longest_prefix(tokens, namespace)
-        return max(in_slots, in_host)
-
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
-
-    def held_sequences(self) -> list[tuple[str, list[int]]]:
-        """(namespace, tokens) of the sequences whose KV this engine holds: in its slots and its
-        host cache (for routing; approximate)."""
-        return [(slot.namespace, list(slot.cache_tokens)) for slot in self._slots] + self._prompt_cache.sequences()
 
     def kv_usage(self) -> float:
         """Share of the KV cache the running requests hold (0..1), approximately."""
@@ -405,7 +284,7 @@ class Engine:
     def load(self) -> tuple[int, int]:
         """(busy slots, waiting requests), approximately."""
         busy = sum(1 for slot in self._slots if not slot.is_free)
-        return busy, len(self._waiting) + len(self._inbox) + len(self._embed_jobs)
+        return busy, len(self._scheduler.queue) + len(self._inbox) + len(self._embed_jobs)
 
     # ------------------------------------------------------------- scheduler thread only
 
@@ -419,7 +298,7 @@ class Engine:
                 incoming, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
             try:
-                self._waiting.extend(incoming)
+                self._receive(incoming)
                 if aborts:
                     self._unsent.extend(self._abort(aborts))
                 self._admit()
@@ -436,8 +315,16 @@ class Engine:
         self._unsent.extend(self._fail_all("the server is shutting down"))
         self._flush()
 
+    def _receive(self, incoming: list[WaitingRequest]) -> None:
+        # Embeddings need no slot (they run in a context of their own, between steps).
+        for item in incoming:
+            if item.request.kind == "embed":
+                self._embed_jobs.append(_EmbedJob(item.request))
+            else:
+                self._scheduler.queue.push(item)
+
     def _has_work(self) -> bool:
-        return bool(self._waiting) or bool(self._embed_jobs) or self._has_active()
+        return bool(self._scheduler.queue) or bool(self._embed_jobs) or self._has_active()
 
     def _has_active(self) -> bool:
         return any(not slot.is_free for slot in self._slots)
@@ -463,17 +350,8 @@ class Engine:
 
     def _abort(self, aborts: set[tuple[str, int | None]]) -> list[GenerationOutput]:
         whole = {request_id for request_id, index in aborts if index is None}
-        outputs = []
-        for item in list(self._waiting):
-            request_id = item.request.request_id
-            stopped = item.pending if request_id in whole else [i for i in item.pending if (request_id, i) in aborts]
-            if not stopped:
-                continue
-            outputs += [GenerationOutput(request_id, index=index, finish_reason=FinishReason.ABORTED)
-                        for index in stopped]
-            item.pending = [index for index in item.pending if index not in stopped]
-            if not item.pending:
-                self._waiting.remove(item)
+        outputs = [GenerationOutput(request_id, index=index, finish_reason=FinishReason.ABORTED)
+                   for request_id, index in self._scheduler.drop_queued(whole, aborts)]
         for job in [job for job in self._embed_jobs if job.request.request_id in whole]:
             self._embed_jobs.remove(job)
             outputs.append(GenerationOutput(job.request.request_id, finish_reason=FinishReason.ABORTED))
@@ -486,35 +364,19 @@ class Engine:
         return outputs
 
     def _admit(self) -> None:
-        # First come, first served: a request's first wave of choices waits until that many
-        # slots are free (at most all of them); a later wave starts on whatever slots are free
-        # and then goes to the back of the queue with the choices still to run, so one
-        # request's many choices take turns with the requests behind it. Embeddings need no
-        # slot (they run in a context of their own, between steps).
-        while self._waiting:
-            item = self._waiting[0]
-            if item.request.kind == "embed":
-                self._embed_jobs.append(_EmbedJob(self._waiting.popleft().request))
-                continue
-            free = sum(slot.is_free for slot in self._slots)
-            if free < (1 if item.started else self._places_of(len(item.pending))):
-                break
-            self._waiting.popleft()
-            first_wave, item.started = not item.started, True
-            wave, item.pending = item.pending[:free], item.pending[free:]
-            if item.pending:
-                self._waiting.append(item)
+        for admission in self._scheduler.admissions():
             try:
-                self._start(item.request, item.grammar, wave, first_wave=first_wave)
+                self._start(admission)
             except Exception as exc:  # a request that cannot start fails alone
+                item = admission.item
                 logger.exception("could not start request %s", item.request.request_id)
                 for slot in self._slots:
                     if slot.request is item.request:
                         self._release(slot)
                 if item.pending:
-                    self._waiting.remove(item)
+                    self._scheduler.queue.remove(item)
                 self._unsent += [GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR,
-                                                  error=str(exc)) for index in wave + item.pending]
+                                                  error=str(exc)) for index in admission.choices + item.pending]
 
     def _embed_step(self) -> list[GenerationOutput]:
         """Embed the oldest job's next inputs, up to one batch of tokens (at least one input),
@@ -545,34 +407,25 @@ class Engine:
         return [GenerationOutput(request.request_id, finish_reason=FinishReason.STOP,
                                  prompt_tokens=sum(map(len, inputs)), embeddings=job.vectors)]
 
-    def _start(self, request: GenerationRequest, grammar: CompiledGrammar | None, choices: list[int],
-               first_wave: bool) -> None:
-        """Start `choices` of the request, one slot each: the leader evaluates the prompt (what
-        no cache holds of it), the others copy its KV."""
-        prompt = request.prompt_tokens
-        free = [slot for slot in self._slots if slot.is_free]
-        # Longest shared prefix wins; ties and misses go to the least recently used slot.
-        namespace = request.cache_namespace
-        leader = max(free, key=lambda s: (_shared_prefix(s, prompt, namespace), -s.last_used))
-        if request.prompt_logprobs is None:
-            source = self._prepare_prefix(leader, prompt, namespace)
-            reused = self._reuse_prefix(leader, prompt, namespace)
-        else:  # echo with logprobs: every prompt position's logits are needed, cached or not
-            self._save_if_unrelated(leader, prompt, namespace)
-            llama.llama_memory_seq_rm(self._memory, leader.seq_id, -1, -1)
-            leader.forget_cache()
-            source, reused = "miss", 0
-        if first_wave:  # later waves are the same request: counted once
-            self._count(request, leader, source if reused else "miss", reused)
+    def _start(self, admission: Admission) -> None:
+        """Start the admitted choices of a request, one slot each: the leader evaluates the
+        prompt (what no cache holds of it), the others copy its KV."""
+        request, grammar, choices = admission.item.request, admission.item.grammar, admission.choices
+        prompt, namespace = request.prompt_tokens, request.cache_namespace
+        free = self._scheduler.free_slots()
+        leader = self.kv_cache.choose(free, prompt, namespace)
+        source, reused = self.kv_cache.prepare(leader, prompt, namespace,
+                                               every_position=request.prompt_logprobs is not None)
+        if admission.first_wave:  # later waves are the same request: counted once
+            self._count(request, leader, source, reused)
         room = self.config.ctx_size - len(prompt)
         max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self._clock += 1
         followers = sorted((s for s in free if s is not leader), key=lambda s: s.last_used)[: len(choices) - 1]
+        speculative = self.config.speculation.enabled and request.speculative
         for index, slot in zip(choices, [leader, *followers]):
             if slot is not leader:
-                self._save(slot)  # its KV is about to be replaced by a copy of the prompt's
-                llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
-                slot.forget_cache()
+                self.kv_cache.take_for_copy(slot, namespace)  # it gets a copy of the prompt's KV
             slot.start(
                 request,
                 index=index,
@@ -582,12 +435,11 @@ class Engine:
                 sampler=self._sampler(request, grammar, index),
                 token_bytes=self.model.token_bytes_special if request.render_special_tokens else self.model.token_bytes,
                 admitted_at=self._clock,
-                drafter=self._drafter(request),
-                speculative=self.config.speculation.enabled and request.speculative,
+                speculative=speculative,
                 acceptance=self._acceptance.rate,
             )
-            if self._draft_runner is not None:
-                self._draft_runner.reset(slot.seq_id)
+            if speculative:
+                self._drafter.start(slot.seq_id, prompt)
         leader.followers = followers
 
     def _sampler(self, request: GenerationRequest, grammar: CompiledGrammar | None, index: int) -> SamplerChain:
@@ -604,87 +456,6 @@ class Engine:
         )
         sampler.accept_prompt(request.prompt_tokens)
         return sampler
-
-    def _drafter(self, request: GenerationRequest) -> NgramDrafter | None:
-        """The slot's n-gram drafter (a draft model drafts for all slots at once instead)."""
-        if self.config.speculation.kind != "ngram" or not request.speculative:
-            return None
-        return NgramDrafter(self.config.speculation, request.prompt_tokens)
-
-    def _prepare_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> str:
-        """Give the slot the longest cached prefix of `prompt` that `namespace` may reuse: its
-        own, or one restored from the host cache. What the slot is about to lose is saved to
-        the host cache first. Returns where the prefix comes from, "slot" or "host"."""
-        in_slot = _shared_prefix(slot, prompt, namespace)
-        entry, in_host = self._prompt_cache.longest_prefix(prompt, namespace)
-        if entry is not None and not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
-            entry = None
-        if entry is not None and in_host > in_slot:
-            # Saving the slot may evict entries; this one is in use (and held here anyway).
-            self._prompt_cache.touch(entry)
-            self._save(slot)
-            source, entry.source = entry.source, "host"  # from now on it is served from RAM
-            return source if self._restore(slot, entry) else "slot"
-        self._save_if_unrelated(slot, prompt, namespace)
-        return "slot"
-
-    def _save_if_unrelated(self, slot: Slot, prompt: list[int], namespace: str) -> None:
-        """Save the slot's sequence when it goes to a different conversation (it would lose more
-        than it keeps). A related prompt - the same long system prompt, the next turn - keeps
-        most of it, and copying the whole sequence out for a short tail would cost the request
-        more time than a later hit on that tail could save."""
-        kept = _shared_prefix(slot, prompt, namespace)
-        lost = len(slot.cache_tokens) - kept
-        if lost >= MIN_SAVED_TOKENS and lost > kept:
-            self._save(slot)
-
-    def _save(self, slot: Slot) -> None:
-        """Keep what the slot holds in the host cache, and write it to the disk tier."""
-        tokens = slot.cache_tokens
-        if not self._prompt_cache.enabled or self._prompt_cache.covers(tokens, slot.namespace):
-            return
-        state = self._sequence_state(slot)
-        if state is None:
-            return
-        tokens = list(tokens)
-        self.stats.host_saves += 1
-        self.stats.host_evictions += self._prompt_cache.insert(CachedSequence(tokens, state, namespace=slot.namespace))
-        if self.disk_cache is not None:
-            self.disk_cache.store(tokens, state, slot.namespace)  # written by the disk tier's own thread
-
-    def _sequence_state(self, slot: Slot) -> np.ndarray | None:
-        if len(slot.cache_tokens) < MIN_SAVED_TOKENS:
-            return None
-        size = llama.llama_state_seq_get_size(self._ctx, slot.seq_id)
-        state = np.empty(size, dtype=np.uint8)  # not zero-filled: it is written over at once
-        if llama.llama_state_seq_get_data(self._ctx, state.ctypes.data_as(_BYTES), size, slot.seq_id) == 0:
-            return None
-        return state
-
-    def _restore(self, slot: Slot, entry: CachedSequence) -> bool:
-        llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
-        slot.forget_cache()
-        if llama.llama_state_seq_set_data(self._ctx, entry.state.ctypes.data_as(_BYTES), entry.nbytes, slot.seq_id) == 0:
-            llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
-            return False
-        slot.cache_tokens = list(entry.tokens)
-        slot.namespace = entry.namespace
-        return True
-
-    def _reuse_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> int:
-        """Drop the slot's KV past the prefix `namespace` may reuse of `prompt`; return that
-        prefix length."""
-        reused = _shared_prefix(slot, prompt, namespace)
-        reused = min(reused, len(prompt) - 1)  # the last prompt token must be evaluated for logits
-        if reused > 0 and self.model.n_swa > 0:
-            # A sliding-window cache may have dropped positions the reused prefix still needs.
-            pos_min = llama.llama_memory_seq_pos_min(self._memory, slot.seq_id)
-            if pos_min > max(0, reused - self.model.n_swa):
-                reused = 0
-        if not llama.llama_memory_seq_rm(self._memory, slot.seq_id, reused, -1):
-            reused = 0
-            llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
-        return reused
 
     def _count(self, request: GenerationRequest, slot: Slot, source: str, reused: int) -> None:
         stats = self.stats
@@ -716,29 +487,26 @@ class Engine:
         batch = self._batch
         batch.clear()
         in_batch: list[Slot] = []
-        decoding = [slot for slot in self._slots if slot.is_decoding]
-        prefilling = sorted((s for s in self._slots if s.is_prefilling), key=lambda s: s.admitted_at)
-        drafts = self._drafts(decoding, sum(len(s.request.prompt_tokens) - s.prompt_cursor for s in prefilling))
-        for slot in decoding:
+        plan = self._scheduler.plan()
+        drafts = self._drafts(plan.decoding, plan.draft_rows) if plan.draft_rows else {}
+        for slot in plan.decoding:
             tokens = [slot.pending_token, *drafts.get(slot.seq_id, ())]
             last = batch.add(slot.seq_id, tokens, len(slot.cache_tokens), logits=True)
             slot.batch_indices = list(range(last - len(tokens) + 1, last + 1))
             slot.draft = tokens[1:]
-            slot.cache_tokens.extend(tokens)  # the drafts' KV is dropped again where rejected
+            self.kv_cache.extend(slot, tokens)  # the drafts' KV is dropped again where rejected
             slot.pending_token = None
             in_batch.append(slot)
         decode_rows = batch.size
         finishing_prefill: list[Slot] = []
-        for slot in prefilling:
-            if batch.free == 0:
-                break
+        for slot, length in self._scheduler.prompt_chunks(plan.prefilling, batch.free):
             prompt = slot.request.prompt_tokens
-            chunk = prompt[slot.prompt_cursor : slot.prompt_cursor + batch.free]
+            chunk = prompt[slot.prompt_cursor : slot.prompt_cursor + length]
             done = slot.prompt_cursor + len(chunk) == len(prompt)
             scored = slot.request.prompt_logprobs is not None  # echo: logits of every prompt position
             last = batch.add(slot.seq_id, chunk, slot.prompt_cursor, logits=scored, logits_last=done)
             slot.chunk = (slot.prompt_cursor, last - len(chunk) + 1)
-            slot.cache_tokens.extend(chunk)
+            self.kv_cache.extend(slot, chunk)
             slot.prompt_cursor += len(chunk)
             in_batch.append(slot)
             if done:
@@ -758,7 +526,7 @@ class Engine:
         for slot in in_batch:
             if slot.request is not None and slot.request.prompt_logprobs is not None and slot.chunk is not None:
                 self._score_prompt_chunk(slot)
-        outputs = [self._sample(slot) for slot in decoding]
+        outputs = [self._sample(slot) for slot in plan.decoding]
         for slot in finishing_prefill:
             request, followers, slot.followers = slot.request, slot.followers, []
             outputs.append(self._sample(slot))
@@ -769,33 +537,14 @@ class Engine:
             self._step_costs.record(decode_rows, elapsed)
         return outputs
 
-    def _drafts(self, decoding: list[Slot], prompt_rows: int) -> dict[int, list[int]]:
-        """Draft tokens per slot for this step, within the rows the batch spares for them."""
-        spec = self.config.speculation
-        # Drafts take only rows no prompt is waiting for (`prompt_rows`): a prompt row is sure
-        # progress, a drafted one a guess; under load speculation yields to batching and prefill alike.
-        budget = min(spec.batch_rows - len(decoding), self._batch.capacity - len(decoding) - prompt_rows)
-        if budget < spec.draft_min or not spec.enabled:
-            return {}
-        in_turn = sorted((s for s in decoding if s.speculative), key=lambda s: s.drafted_at)  # fair turns
-        slots = {slot.seq_id: slot for slot in in_turn}
-        drafts: dict[int, list[int]] = {}
-        if self._draft_runner is not None:
-            # One batched drafting pass for all slots: rows are reserved before drafting.
-            limits: dict[int, int] = {}
-            for slot in in_turn:
-                if (limit := self._draft_limit(slot, budget)) >= spec.draft_min:
-                    limits[slot.seq_id] = limit
-                    budget -= limit
-            drafts = self._draft_runner.propose({
-                seq: ([*slots[seq].cache_tokens, slots[seq].pending_token], limit) for seq, limit in limits.items()})
-        else:
-            # Rows go to the drafts actually proposed: a slot whose context has no match takes none.
-            for slot in in_turn:
-                limit = self._draft_limit(slot, budget)
-                if limit >= spec.draft_min and (draft := slot.drafter.propose(limit)):
-                    drafts[slot.seq_id] = draft
-                    budget -= len(draft)
+    def _drafts(self, decoding: list[Slot], rows: int) -> dict[int, list[int]]:
+        """Draft tokens per slot for this step, within the rows the plan spares for them."""
+        turns = self._scheduler.draft_turns(decoding)
+        slots = {slot.seq_id: slot for slot in turns}
+        draft_max = self.config.speculation.draft_max
+        drafts = self._drafter.propose(
+            [DraftTurn(slot.seq_id, slot.cache_tokens, slot.pending_token, min(self._draft_room(slot), draft_max))
+             for slot in turns], rows)
         # A drafted token the grammar refuses would only be verified to be thrown away.
         for seq in list(drafts):
             if valid := slots[seq].sampler.valid_draft(drafts[seq]):
@@ -804,18 +553,16 @@ class Engine:
                 del drafts[seq]
         kept = worth_verifying([(seq, len(draft), slots[seq].acceptance.rate) for seq, draft in drafts.items()],
                                len(decoding), self._step_costs)
+        self._scheduler.drafted([slots[seq] for seq in drafts])  # drafting, verified or not, ends a turn
         for seq in drafts:
-            slots[seq].drafted_at = self._clock_steps  # drafting, verified or not, ends the slot's turn
             if seq not in kept:
                 slots[seq].acceptance.held_back()
-        self._clock_steps += 1
         return {seq: draft for seq, draft in drafts.items() if seq in kept}
 
-    def _draft_limit(self, slot: Slot, budget: int) -> int:
+    def _draft_room(self, slot: Slot) -> int:
         # Room for the pending token, the drafts and the bonus token: in the answer's length
         # and in the context.
-        room = min(slot.max_tokens - slot.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
-        return min(budget, room, self.config.speculation.draft_max)
+        return min(slot.max_tokens - slot.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
 
     def _sample(self, slot: Slot) -> GenerationOutput:
         """Pick the slot's tokens from this step's logits: one, or - with drafts - one per
@@ -858,15 +605,19 @@ class Engine:
             slot.accepted_total += accepted
             slot.acceptance.verified(drafted, accepted)
             self._acceptance.verified(drafted, accepted)
-            if slot.drafter is not None:
-                slot.drafter.verified(drafted, accepted)
-            else:
-                self._draft_runner.verified(slot.seq_id, drafted, accepted)
+            self._drafter.verified(slot.seq_id, drafted, accepted)
             # Only the pending token and the accepted drafts are this sequence's now.
-            keep = len(slot.cache_tokens) - drafted + accepted
-            llama.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)
-            del slot.cache_tokens[keep:]
-        return self._accept_tokens(slot, emitted, logprobs)
+            self.kv_cache.truncate(slot, len(slot.cache_tokens) - drafted + accepted)
+        speculative = slot.speculative
+        output = self._outputs.accept(slot, emitted, logprobs)
+        if speculative and not output.finished:
+            self._drafter.accept(slot.seq_id, output.token_ids)
+        return output
+
+    def _answer_finished(self, slot: Slot) -> None:
+        self.stats.generated_tokens += slot.n_generated
+        self._throughput.answer(slot.n_generated)
+        self._release(slot)
 
     def _reject_for_grammar(self, slot: Slot, error: str) -> GenerationOutput:
         # A grammar's step cost can explode with what it has accepted; one such request must
@@ -879,9 +630,7 @@ class Engine:
 
     def _drop_drafts(self, slot: Slot) -> None:
         if slot.draft:
-            keep = len(slot.cache_tokens) - len(slot.draft)
-            llama.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)
-            del slot.cache_tokens[keep:]
+            self.kv_cache.truncate(slot, len(slot.cache_tokens) - len(slot.draft))
             slot.draft = []
 
     def _score_prompt_chunk(self, slot: Slot) -> None:
@@ -907,9 +656,7 @@ class Engine:
         for follower in followers:
             if follower.request is not request:  # aborted meanwhile
                 continue
-            llama.llama_memory_seq_rm(self._memory, follower.seq_id, -1, -1)
-            llama.llama_memory_seq_cp(self._memory, leader.seq_id, follower.seq_id, -1, -1)
-            follower.cache_tokens = list(follower.request.prompt_tokens)
+            self.kv_cache.copy(leader, follower)
             follower.cached_tokens = leader.cached_tokens
             follower.prompt_logprobs = leader.prompt_logprobs
             follower.batch_indices = leader.batch_indices
@@ -927,66 +674,8 @@ class Engine:
         # Fatal: the batch may be half applied anywhere. Fail every active request and start
         # every slot afresh.
         outputs = self._fail_active(message)
-        llama.llama_memory_clear(self._memory, True)
-        for slot in self._slots:
-            slot.forget_cache()
+        self.kv_cache.clear_all()
         return outputs
-
-    def _accept_tokens(self, slot: Slot, tokens: list[int],
-                       logprobs: list[TokenLogprob] | None) -> GenerationOutput:
-        """Turn the step's picks into text, ending the answer at an end-of-generation token, a
-        stop string or max_tokens (tokens picked past that end are dropped, their KV too)."""
-        texts: list[str] = []
-        kept: list[int] = []
-        for count, token in enumerate(tokens):
-            if token == NO_TOKEN:  # the grammar has no way forward: end the answer where it is
-                logger.warning("request %s: its grammar allows no next token; ending the answer",
-                               slot.request.request_id)
-                tail, _ = slot.finish_text()
-                return self._finish(slot, FinishReason.STOP, "".join(texts) + tail, kept, logprobs, count)
-            slot.n_generated += 1
-            if token in self.model.eog_token_ids:
-                tail, _ = slot.finish_text()
-                return self._finish(slot, FinishReason.STOP, "".join(texts) + tail, kept, logprobs, count)
-            kept.append(token)
-            text, stopped = slot.stop_matcher.push(slot.detokenizer.push(token))
-            texts.append(text)
-            if stopped:
-                return self._finish(slot, FinishReason.STOP, "".join(texts), kept, logprobs, count + 1)
-            if slot.n_generated >= slot.max_tokens:
-                tail, stopped = slot.finish_text()
-                reason = FinishReason.STOP if stopped else FinishReason.LENGTH
-                return self._finish(slot, reason, "".join(texts) + tail, kept, logprobs, count + 1)
-        slot.pending_token = tokens[-1]
-        if slot.drafter is not None:
-            slot.drafter.accept(kept)
-        return slot.output(text="".join(texts), token_ids=kept, logprobs=logprobs)
-
-    def _finish(
-        self,
-        slot: Slot,
-        reason: FinishReason,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob] | None,
-        used: int,
-    ) -> GenerationOutput:
-        """End the slot's answer after the first `used` tokens picked in this step: the KV of
-        accepted drafts past them is dropped (the slot keeps exactly the answer's tokens)."""
-        surplus = max(0, slot.accepted_now - used)
-        if surplus:
-            keep = len(slot.cache_tokens) - surplus
-            llama.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)
-            del slot.cache_tokens[keep:]
-        if logprobs is not None:
-            logprobs = logprobs[: len(token_ids)]
-        matched = slot.stop_matcher.matched if slot.stop_matcher is not None else None
-        output = slot.output(text=text, token_ids=token_ids, finish_reason=reason, logprobs=logprobs,
-                             stop_sequence=matched)
-        self.stats.generated_tokens += slot.n_generated
-        self._throughput.answer(slot.n_generated)
-        self._release(slot)
-        return output
 
     def _release(self, slot: Slot) -> None:
         slot.release(self._clock)
@@ -1000,21 +689,18 @@ class Engine:
                 continue
             outputs.append(slot.output(finish_reason=FinishReason.ERROR, error=message))
             self._release(slot)
-            llama.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
-            slot.forget_cache()
+            self.kv_cache.clear(slot)
         return outputs
 
     def _fail_active(self, message: str) -> list[GenerationOutput]:
         return self._fail_slots([s for s in self._slots if not s.is_free], message)
 
     def _fail_all(self, message: str) -> list[GenerationOutput]:
-        outputs = [
-            GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
-            for item in list(self._waiting) + self._inbox for index in item.pending
-        ]
+        outputs = [GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
+                   for item in [*self._scheduler.queue, *self._inbox] for index in item.pending]
         outputs += [GenerationOutput(job.request.request_id, finish_reason=FinishReason.ERROR, error=message)
                     for job in self._embed_jobs]
-        self._waiting.clear()
+        self._scheduler.queue.clear()
         self._inbox.clear()
         self._embed_jobs.clear()
         return outputs + self._fail_active(message)

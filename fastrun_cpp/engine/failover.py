@@ -9,17 +9,10 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Protocol
 
-from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest, RequestRejected
+from fastrun_cpp.engine.errors import EngineError, ReplicaGone, RequestRejected, RequestTimedOut
+from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
-
-
-class RequestTimedOut(EngineError):
-    pass
-
-
-class ReplicaGone(EngineError):
-    """The replica a request was sent to went away before accepting it: another may serve it."""
 
 
 class ReplicaStream(Protocol):

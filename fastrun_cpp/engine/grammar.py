@@ -23,7 +23,8 @@ import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from fastrun_cpp.engine.cache import ByteLRU
+from fastrun_cpp.engine.errors import GrammarError
+from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.engine.constraint import Constraint, GbnfConstraint, GuidanceConstraint
 from fastrun_cpp.engine.faults import GRAMMAR_HANG_TEXT
 from fastrun_cpp.limits import Limits
@@ -44,10 +45,6 @@ def vocabulary_scale(n_vocab: int) -> float:
 
 # llguidance's lexer burns about this much fuel per millisecond (its documentation's figure).
 LEXER_FUEL_PER_MS = 14_000
-
-
-class GrammarError(ValueError):
-    """The grammar could not be parsed, or it is too costly to run."""
 
 
 class CompiledGrammar:

@@ -9,12 +9,9 @@ from pathlib import Path
 import llama_cpp.llama_cpp as llama
 
 from fastrun_cpp.engine.backend import init_backend
+from fastrun_cpp.engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
-
-
-class ModelLoadError(Exception):
-    pass
 
 
 _SPLIT_MODES = {

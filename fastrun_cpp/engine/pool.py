@@ -12,9 +12,10 @@ import time
 
 from fastrun_cpp.engine.async_engine import AsyncEngine, RequestStream
 from fastrun_cpp.engine.disk_cache import DiskPromptCache, DiskStats
-from fastrun_cpp.engine.engine import CapacityError, EngineStats
+from fastrun_cpp.engine.stats import EngineStats
+from fastrun_cpp.engine.errors import CapacityError, EngineError
 from fastrun_cpp.engine.failover import FailoverStream
-from fastrun_cpp.engine.request import EngineError, GenerationRequest
+from fastrun_cpp.engine.request import GenerationRequest
 from fastrun_cpp.engine.routing import ReplicaLoad, rank_replicas
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class EnginePool:
     # What a Ray replica reports of the pool it runs (one engine there).
 
     def held_sequences(self) -> list[tuple[str, list[int]]]:
-        return [sequence for replica in self._replicas for sequence in replica.engine.engine.held_sequences()]
+        return [sequence for replica in self._replicas for sequence in replica.engine.engine.kv_cache.held_sequences()]
 
     def retry_after_s(self) -> int:
         return min(replica.engine.engine.retry_after_s() for replica in self._replicas)
@@ -138,8 +139,8 @@ class EnginePool:
         for replica in candidates:
             engine = replica.engine.engine
             running, waiting = engine.load()
-            loads.append(ReplicaLoad(replica.index, engine.cached_prefix(prompt, request.cache_namespace), running,
-                                     waiting + replica.submitting, engine.config.slots))
+            loads.append(ReplicaLoad(replica.index, engine.kv_cache.cached_prefix(prompt, request.cache_namespace),
+                                     running, waiting + replica.submitting, engine.config.slots))
         by_index = {replica.index: replica for replica in candidates}
         ranked = [by_index[index] for index in rank_replicas(loads)]
         retry_after = None

@@ -18,14 +18,6 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed this request
 
 
-class EngineError(Exception):
-    """The engine could not serve a request (llama.cpp failed, or the engine is shutting down)."""
-
-
-class RequestRejected(EngineError):
-    """The engine ended a request for what it asked (a grammar too costly to run, say)."""
-
-
 @dataclass
 class GenerationRequest:
     request_id: str

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastrun_cpp.engine.logprobs import TokenLogprob
 from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
-from fastrun_cpp.engine.sampling import SamplerChain
-from fastrun_cpp.engine.speculative import Acceptance, NgramDrafter
+from fastrun_cpp.engine.speculative import Acceptance
 from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
+
+if TYPE_CHECKING:
+    from fastrun_cpp.engine.sampling import SamplerChain
 
 
 class Slot:
@@ -15,7 +19,8 @@ class Slot:
 
     def __init__(self, seq_id: int) -> None:
         self.seq_id = seq_id
-        self.cache_tokens: list[int] = []  # KV of these tokens, positions 0.., is in the context
+        # KV of these tokens, positions 0.., is in the context (kv_cache.KVCacheManager keeps it so).
+        self.cache_tokens: list[int] = []
         self.namespace = ""  # the cache namespace of the request that computed that KV
         self.last_used = 0
         self.request: GenerationRequest | None = None
@@ -33,7 +38,6 @@ class Slot:
         self.chunk: tuple[int, int] | None = None  # this step's prompt chunk: (position, batch index)
         self.followers: list[Slot] = []  # the request's other choices, waiting for the prompt's KV
         self.sampler: SamplerChain | None = None
-        self.drafter: NgramDrafter | None = None
         self.speculative = False  # may drafts be proposed for it
         self.drafted_at = 0  # step of its last draft: slots take turns when drafts are scarce
         self.drafted_total = 0
@@ -68,17 +72,15 @@ class Slot:
         sampler: SamplerChain,
         token_bytes: list[bytes],
         admitted_at: int,
-        drafter: NgramDrafter | None,
         speculative: bool = False,
         acceptance: float = 1.0,
     ) -> None:
         """Take a request's choice `index`; the first `reused` prompt tokens are in the KV
         already (a follower, which waits for its leader's prompt, counts all of them)."""
+        assert not leader or len(self.cache_tokens) == reused
         self.request = request
         self.index = index
         self.admitted_at = admitted_at
-        self.cache_tokens = request.prompt_tokens[:reused] if leader else []
-        self.namespace = request.cache_namespace
         self.prompt_cursor = reused
         self.cached_tokens = reused if leader else 0
         self.max_tokens = max_tokens
@@ -90,7 +92,6 @@ class Slot:
         self.chunk = None
         self.followers = []
         self.sampler = sampler
-        self.drafter = drafter
         self.speculative = speculative
         self.drafted_total = self.accepted_total = 0
         self.acceptance = Acceptance(acceptance)
@@ -129,7 +130,6 @@ class Slot:
             self.sampler.free()
         self.request = None
         self.sampler = None
-        self.drafter = None
         self.detokenizer = None
         self.stop_matcher = None
         self.watched_text = ""
@@ -141,7 +141,4 @@ class Slot:
         self.chunk = None
         self.followers = []
         self.last_used = clock
-
-    def forget_cache(self) -> None:
-        self.cache_tokens = []
 

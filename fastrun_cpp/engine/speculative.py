@@ -16,9 +16,37 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple, Protocol
 
 SpecType = Literal["none", "ngram", "draft"]
+
+
+class DraftTurn(NamedTuple):
+    """A slot that may draft this step."""
+
+    seq_id: int
+    tokens: list[int]  # the sequence so far (decoded)
+    pending: int  # its sampled token, not yet decoded
+    room: int  # most tokens it may draft (the answer's and the context's room)
+
+
+class Drafter(Protocol):
+    """Where drafts come from: n-gram lookup in each slot's own context, or a draft model that
+    drafts for all slots at once."""
+
+    def start(self, seq_id: int, prompt: list[int]) -> None:
+        """A new request in the slot."""
+
+    def accept(self, seq_id: int, tokens: list[int]) -> None:
+        """Tokens now part of the slot's answer."""
+
+    def propose(self, turns: list[DraftTurn], rows: int) -> dict[int, list[int]]:
+        """Drafts by slot, in `turns` order while the `rows` last; none shorter than
+        draft_min."""
+
+    def verified(self, seq_id: int, drafted: int, accepted: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -209,3 +237,33 @@ class NgramDrafter:
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.length.verified(drafted, accepted)
+
+
+class NgramDrafting:
+    """The n-gram Drafter: one NgramDrafter per slot. Rows go to the drafts actually proposed,
+    so a slot whose context has no match takes none."""
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        self._config = config
+        self._drafters: dict[int, NgramDrafter] = {}
+
+    def start(self, seq_id: int, prompt: list[int]) -> None:
+        self._drafters[seq_id] = NgramDrafter(self._config, prompt)
+
+    def accept(self, seq_id: int, tokens: list[int]) -> None:
+        self._drafters[seq_id].accept(tokens)
+
+    def propose(self, turns: list[DraftTurn], rows: int) -> dict[int, list[int]]:
+        drafts: dict[int, list[int]] = {}
+        for turn in turns:
+            limit = min(rows, turn.room)
+            if limit >= self._config.draft_min and (draft := self._drafters[turn.seq_id].propose(limit)):
+                drafts[turn.seq_id] = draft
+                rows -= len(draft)
+        return drafts
+
+    def verified(self, seq_id: int, drafted: int, accepted: int) -> None:
+        self._drafters[seq_id].verified(drafted, accepted)
+
+    def close(self) -> None:
+        self._drafters.clear()

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from fastrun_cpp.engine.engine import GRAMMAR_STEP_BUCKETS
+from fastrun_cpp.engine.stats import GRAMMAR_STEP_BUCKETS
 
 disable_created_metrics()  # no `_created` series: they double the output and nobody graphs them
 

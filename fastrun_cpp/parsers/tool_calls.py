@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from fastrun_cpp.structured.spec import Trigger
+from fastrun_cpp.structured.spec import ToolCallFormat, Trigger
 from fastrun_cpp.parsers.json_scan import JSONScanError, object_members, skip_ws, value_end
 from fastrun_cpp.parsers.text import find_first, partial_suffix
 
@@ -64,6 +64,12 @@ class ToolParser(ABC):
     def calls_grammar(self, call_rule: str, *, at_least: int, at_most: int | None) -> str:
         """GBNF of the whole answer: `at_least`..`at_most` calls in this format."""
         raise UnsupportedToolChoice(f"forcing tool calls is not supported for the {self.name} format")
+
+    def call_format(self, at_most: int | None) -> ToolCallFormat:
+        """This format's calls as grammar templates, one call to `at_most` of them; raises
+        UnsupportedToolChoice."""
+        return ToolCallFormat(self.call_grammar(ToolCallFormat.NAME, ToolCallFormat.ARGUMENTS),
+                              self.calls_grammar(ToolCallFormat.CALL, at_least=1, at_most=at_most))
 
     @property
     def can_force(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol, runtime_checkable
 
 from fastrun_cpp.engine.disk_cache import DiskStats
-from fastrun_cpp.engine.engine import EngineStats
+from fastrun_cpp.engine.stats import EngineStats
 from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
 
 

@@ -30,11 +30,20 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from fastrun_cpp.engine.disk_cache import DiskStats
-from fastrun_cpp.engine.engine import CapacityError, EngineStats, PromptTooLongError
-from fastrun_cpp.engine.failover import FailoverStream, ReplicaGone
-from fastrun_cpp.engine.grammar import GrammarCompiler, GrammarError
-from fastrun_cpp.engine.model import LlamaModel, ModelLoadError, gpu_offload_available
-from fastrun_cpp.engine.request import EngineError, GenerationOutput, GenerationRequest, RequestRejected
+from fastrun_cpp.engine.stats import EngineStats
+from fastrun_cpp.engine.errors import (
+    CapacityError,
+    EngineError,
+    GrammarError,
+    ModelLoadError,
+    PromptTooLongError,
+    ReplicaGone,
+    RequestRejected,
+)
+from fastrun_cpp.engine.failover import FailoverStream
+from fastrun_cpp.engine.grammar import GrammarCompiler
+from fastrun_cpp.engine.model import LlamaModel, gpu_offload_available
+from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
 from fastrun_cpp.engine.routing import (
     IMBALANCE_THRESHOLD,
     PrefixMemory,

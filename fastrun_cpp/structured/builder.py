@@ -9,6 +9,7 @@ the request gets a 400. Results are cached by schema within a byte budget.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -19,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fastrun_cpp.engine.cache import ByteLRU
+from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.structured.guard import PatternError, SchemaBoundsError, check_schema_bounds
+from fastrun_cpp.structured.spec import ToolCallFormat
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +43,13 @@ class BuildError(ValueError):
 # ---------------------------------------------------------------- the worker side
 
 def _convert(kind: str, payload: dict[str, Any]) -> str:
-    from fastrun_cpp.parsers import TOOL_PARSERS
     from fastrun_cpp.structured.json_schema import schema_to_gbnf, tool_calls_gbnf
 
     if kind == "schema":
         return schema_to_gbnf(payload["schema"], strict=payload["strict"])
-    parser = TOOL_PARSERS[payload["parser"]]()
-    at_most = payload["at_most"]
+    call_format = ToolCallFormat(**payload["format"])
     functions = [(f["name"], f["parameters"], f["strict"]) for f in payload["functions"]]
-    return tool_calls_gbnf(functions, parser.call_grammar,
-                           lambda call: parser.calls_grammar(call, at_least=1, at_most=at_most))
+    return tool_calls_gbnf(functions, call_format.call_rule, call_format.calls_rule)
 
 
 def _serve(connection: Connection, hang_on_request: bool) -> None:
@@ -114,13 +113,13 @@ class GrammarBuilder:
         self._check(schema, "the schema")
         return await self._build("schema", {"schema": schema, "strict": strict})
 
-    async def tool_grammar(self, functions: list[tuple[str, Any, bool]], parser: str, at_most: int | None) -> str:
-        """GBNF for tool calls of these functions (name, parameters, strict) in a parser's
-        format; raises BuildError."""
+    async def tool_grammar(self, functions: list[tuple[str, Any, bool]], call_format: ToolCallFormat) -> str:
+        """GBNF for tool calls of these functions (name, parameters, strict) written in
+        `call_format`; raises BuildError."""
         for name, parameters, _ in functions:
             self._check(parameters, f"function {name!r}: the parameters")
         payload = {"functions": [{"name": n, "parameters": p, "strict": s} for n, p, s in functions],
-                   "parser": parser, "at_most": at_most}
+                   "format": dataclasses.asdict(call_format)}
         return await self._build("tools", payload)
 
     def _check(self, schema: Any, where: str) -> None:

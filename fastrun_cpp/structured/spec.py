@@ -26,3 +26,23 @@ class GrammarSpec:
     @property
     def lazy(self) -> bool:
         return bool(self.triggers)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes tool calls, as GBNF templates (plain data, so it crosses to the
+    grammar builder's worker processes): `call` has holes for a function's name literal and
+    its arguments rule, `calls` one for the rule of a single call."""
+
+    NAME = "\x00name\x00"
+    ARGUMENTS = "\x00arguments\x00"
+    CALL = "\x00call\x00"
+
+    call: str
+    calls: str
+
+    def call_rule(self, name_literal: str, arguments_rule: str) -> str:
+        return self.call.replace(self.NAME, name_literal).replace(self.ARGUMENTS, arguments_rule)
+
+    def calls_rule(self, call_rule: str) -> str:
+        return self.calls.replace(self.CALL, call_rule)

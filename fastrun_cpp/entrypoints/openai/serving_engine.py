@@ -25,8 +25,7 @@ from fastrun_cpp.engine import (
     RequestTimedOut,
     SamplingParams,
 )
-from fastrun_cpp.engine.grammar import GrammarError
-from fastrun_cpp.engine.request import RequestRejected
+from fastrun_cpp.engine.errors import GrammarError, RequestRejected
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.body import BODY_CHECKED_APART_BYTES, BodyChecker, BodyError, decode_body
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error, validation_message

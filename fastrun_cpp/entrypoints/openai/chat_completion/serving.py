@@ -278,7 +278,7 @@ class OpenAIServingChat(OpenAIServing):
             try:
                 gbnf = await self.grammar_builder.tool_grammar(
                     [(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict)) for f in functions],
-                    tool_parser.name, plan.max_calls or MAX_PARALLEL_CALLS,
+                    tool_parser.call_format(plan.max_calls or MAX_PARALLEL_CALLS),
                 )
             except BuildError as exc:
                 raise bad_request(f"tools: {exc}") from exc

@@ -1,0 +1,48 @@
+"""Every error the engine raises, in one place: the HTTP layer and the Ray backend map these to
+responses and retries, so they must not depend on which engine module raised them."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """The engine could not serve a request (llama.cpp failed, or the engine is shutting down)."""
+
+
+class RequestRejected(EngineError):
+    """The engine ended a request for what it asked (a grammar too costly to run, say)."""
+
+
+class PromptTooLongError(EngineError, ValueError):
+    """A prompt (or an input to embed) is empty or does not fit the context window."""
+
+
+class CapacityError(EngineError):
+    """Every slot is busy and the wait queue is full (or the account's share of it is)."""
+
+    def __init__(self, retry_after_s: int, message: str = "all slots are busy and the wait queue is full") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimedOut(EngineError):
+    """A request ran past its deadline (over all the replicas it was tried on)."""
+
+
+class ReplicaGone(EngineError):
+    """The replica a request was sent to went away before accepting it: another may serve it."""
+
+
+class VocabularyMismatch(EngineError, ValueError):
+    """A draft model spells some token differently from the target model."""
+
+
+class ModelLoadError(Exception):
+    """A model file could not be loaded."""
+
+
+class GrammarError(ValueError):
+    """The grammar could not be parsed, or it is too costly to run."""
+
+
+class ConstraintError(RuntimeError):
+    """The grammar cannot go on: its step ran out of its work budget, or it reached an error."""

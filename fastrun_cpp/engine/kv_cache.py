@@ -1,0 +1,274 @@
+"""Where a sequence's KV lives and what it holds: the slots' sequences in the llama context, the
+host-RAM tier and the disk tier.
+
+One rule is kept here and nowhere else: the KV of a slot's sequence holds exactly the tokens of
+`slot.cache_tokens`, at positions 0.. . Every change to a sequence (extend, truncate, clear,
+copy, restore) goes through `KVCacheManager`, which changes both together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Protocol
+
+import numpy as np
+
+from fastrun_cpp.engine.disk_cache import DiskPromptCache
+from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
+from fastrun_cpp.engine.slot import Slot
+from fastrun_cpp.engine.tokens import common_prefix_length
+
+logger = logging.getLogger(__name__)
+
+# Prefixes shorter than this are cheaper to recompute than to save and restore.
+MIN_SAVED_TOKENS = 32
+
+_BYTES = ctypes.POINTER(ctypes.c_uint8)
+
+
+class SequenceMemory(Protocol):
+    """The sequence operations of a llama context that the manager needs."""
+
+    def remove(self, seq_id: int, start: int) -> bool:
+        """Drop positions `start`.. of the sequence (0: all of it); False if it cannot."""
+
+    def copy(self, source: int, target: int) -> None: ...
+
+    def first_position(self, seq_id: int) -> int:
+        """The lowest position the sequence still holds (a sliding window drops old ones)."""
+
+    def state(self, seq_id: int) -> np.ndarray | None:
+        """The sequence's KV as bytes, or None if it could not be read."""
+
+    def set_state(self, seq_id: int, state: np.ndarray, nbytes: int) -> bool: ...
+
+    def clear(self) -> None: ...
+
+
+class LlamaSequenceMemory:
+    """SequenceMemory over a llama context."""
+
+    def __init__(self, ctx) -> None:
+        import llama_cpp.llama_cpp as llama
+
+        self._llama = llama
+        self._ctx = ctx
+        self._memory = llama.llama_get_memory(ctx)
+
+    def remove(self, seq_id: int, start: int) -> bool:
+        return bool(self._llama.llama_memory_seq_rm(self._memory, seq_id, start if start > 0 else -1, -1))
+
+    def copy(self, source: int, target: int) -> None:
+        self._llama.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+
+    def first_position(self, seq_id: int) -> int:
+        return self._llama.llama_memory_seq_pos_min(self._memory, seq_id)
+
+    def state(self, seq_id: int) -> np.ndarray | None:
+        size = self._llama.llama_state_seq_get_size(self._ctx, seq_id)
+        state = np.empty(size, dtype=np.uint8)  # not zero-filled: it is written over at once
+        if self._llama.llama_state_seq_get_data(self._ctx, state.ctypes.data_as(_BYTES), size, seq_id) == 0:
+            return None
+        return state
+
+    def set_state(self, seq_id: int, state: np.ndarray, nbytes: int) -> bool:
+        return self._llama.llama_state_seq_set_data(self._ctx, state.ctypes.data_as(_BYTES), nbytes, seq_id) != 0
+
+    def clear(self) -> None:
+        self._llama.llama_memory_clear(self._memory, True)
+
+
+def shared_prefix(slot: Slot, prompt: list[int], namespace: str) -> int:
+    """The prefix of `prompt` a request of `namespace` may reuse from the slot's KV: none of
+    what another namespace computed (its cached_tokens and speed would tell what it sent)."""
+    return common_prefix_length(slot.cache_tokens, prompt) if slot.namespace == namespace else 0
+
+
+class CacheCounters(Protocol):
+    host_saves: int
+    host_evictions: int
+
+
+class KVCacheManager:
+    """Chooses a slot for a prompt and gives it the longest prefix any tier holds; saves what a
+    slot is about to lose to the host-RAM tier (and through it to disk)."""
+
+    def __init__(
+        self,
+        memory: SequenceMemory,
+        slots: list[Slot],
+        *,
+        n_swa: int,
+        prompt_cache: PromptCache,
+        disk_cache: DiskPromptCache | None,
+        counters: CacheCounters,
+    ) -> None:
+        self._memory = memory
+        self._slots = slots
+        self._n_swa = n_swa
+        self.prompt_cache = prompt_cache
+        self.disk_cache = disk_cache
+        self._counters = counters
+
+    # ------------------------------------------------------------------ admission
+
+    def choose(self, free: list[Slot], prompt: list[int], namespace: str) -> Slot:
+        """The free slot for a prompt: the longest prefix it may reuse wins; ties and misses go
+        to the least recently used slot."""
+        return max(free, key=lambda slot: (shared_prefix(slot, prompt, namespace), -slot.last_used))
+
+    def prepare(self, slot: Slot, prompt: list[int], namespace: str, *, every_position: bool = False) -> tuple[str, int]:
+        """Make the slot's sequence hold the longest cached prefix of `prompt` that `namespace`
+        may reuse (never the last prompt token: its logits are needed). Returns where it came
+        from ("slot", "host", "disk" or "miss") and its length. With `every_position` (echo
+        with logprobs) nothing is reused: every prompt position's logits are needed."""
+        if every_position:
+            self._save_if_unrelated(slot, prompt, namespace)
+            self.clear(slot)
+            slot.namespace = namespace
+            return "miss", 0
+        source = self._load_prefix(slot, prompt, namespace)
+        reused = self._keep_prefix(slot, prompt, namespace)
+        slot.namespace = namespace
+        return (source if reused else "miss"), reused
+
+    def take_for_copy(self, slot: Slot, namespace: str) -> None:
+        """Empty a slot that will receive a copy of another's prompt (a request's other
+        choices); what it held is saved first."""
+        self.save(slot)
+        self.clear(slot)
+        slot.namespace = namespace
+
+    def _load_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> str:
+        """Restore a longer prefix from the host tier than the slot holds, if there is one;
+        otherwise keep the slot's own. What the slot is about to lose is saved first."""
+        in_slot = shared_prefix(slot, prompt, namespace)
+        entry, in_host = self.prompt_cache.longest_prefix(prompt, namespace)
+        if entry is not None and not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
+            entry = None
+        if entry is not None and in_host > in_slot:
+            # Saving the slot may evict entries; this one is in use (and held here anyway).
+            self.prompt_cache.touch(entry)
+            self.save(slot)
+            source, entry.source = entry.source, "host"  # from now on it is served from RAM
+            return source if self._restore(slot, entry) else "slot"
+        self._save_if_unrelated(slot, prompt, namespace)
+        return "slot"
+
+    def _keep_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> int:
+        """Drop the slot's KV past the prefix `namespace` may reuse of `prompt`; return its
+        length."""
+        reused = min(shared_prefix(slot, prompt, namespace), len(prompt) - 1)
+        if reused > 0 and self._n_swa > 0:
+            # A sliding-window cache may have dropped positions the reused prefix still needs.
+            if self._memory.first_position(slot.seq_id) > max(0, reused - self._n_swa):
+                reused = 0
+        self.truncate(slot, reused)
+        return len(slot.cache_tokens)
+
+    def _save_if_unrelated(self, slot: Slot, prompt: list[int], namespace: str) -> None:
+        """Save the slot's sequence when it goes to a different conversation (it would lose more
+        than it keeps). A related prompt - the same long system prompt, the next turn - keeps
+        most of it, and copying the whole sequence out for a short tail would cost the request
+        more time than a later hit on that tail could save."""
+        kept = shared_prefix(slot, prompt, namespace)
+        lost = len(slot.cache_tokens) - kept
+        if lost >= MIN_SAVED_TOKENS and lost > kept:
+            self.save(slot)
+
+    def _restore(self, slot: Slot, entry: CachedSequence) -> bool:
+        self.clear(slot)
+        if not self._memory.set_state(slot.seq_id, entry.state, entry.nbytes):
+            self.clear(slot)
+            return False
+        slot.cache_tokens = list(entry.tokens)
+        slot.namespace = entry.namespace
+        return True
+
+    # ------------------------------------------------------------ sequence changes
+
+    def extend(self, slot: Slot, tokens: list[int]) -> None:
+        """The tokens a step is about to decode into the slot's sequence."""
+        slot.cache_tokens.extend(tokens)
+
+    def truncate(self, slot: Slot, keep: int) -> None:
+        """Keep the first `keep` tokens of the slot's sequence (all of it, if it cannot)."""
+        if keep >= len(slot.cache_tokens):
+            return
+        if self._memory.remove(slot.seq_id, keep):
+            del slot.cache_tokens[keep:]
+        else:
+            self.clear(slot)
+
+    def clear(self, slot: Slot) -> None:
+        self._memory.remove(slot.seq_id, 0)
+        slot.cache_tokens = []
+
+    def copy(self, source: Slot, target: Slot) -> None:
+        """Give `target` a copy of `source`'s sequence."""
+        self._memory.remove(target.seq_id, 0)
+        self._memory.copy(source.seq_id, target.seq_id)
+        target.cache_tokens = list(source.cache_tokens)
+        target.namespace = source.namespace
+
+    def clear_all(self) -> None:
+        """Start every sequence afresh (after a failure that may have left any of them half
+        written)."""
+        self._memory.clear()
+        for slot in self._slots:
+            slot.cache_tokens = []
+
+    # ---------------------------------------------------------------- saving
+
+    def save(self, slot: Slot) -> None:
+        """Keep what the slot holds in the host cache, and write it to the disk tier."""
+        tokens = slot.cache_tokens
+        if not self.prompt_cache.enabled or self.prompt_cache.covers(tokens, slot.namespace):
+            return
+        state = self._state(slot)
+        if state is None:
+            return
+        tokens = list(tokens)
+        self._counters.host_saves += 1
+        self._counters.host_evictions += self.prompt_cache.insert(CachedSequence(tokens, state, namespace=slot.namespace))
+        if self.disk_cache is not None:
+            self.disk_cache.store(tokens, state, slot.namespace)  # written by the disk tier's own thread
+
+    def persist(self) -> None:
+        """Write what every slot holds to the disk tier (the engine is stopping)."""
+        if self.disk_cache is None or not self.disk_cache.enabled:
+            return
+        for slot in self._slots:
+            state = self._state(slot)
+            if state is not None:
+                self.disk_cache.store(list(slot.cache_tokens), state, slot.namespace)
+
+    def _state(self, slot: Slot) -> np.ndarray | None:
+        if len(slot.cache_tokens) < MIN_SAVED_TOKENS:
+            return None
+        return self._memory.state(slot.seq_id)
+
+    # ------------------------------------------------- reads from any thread (approximate)
+
+    def state_serves(self, saved: int, prefix: int) -> bool:
+        """Whether a saved state of `saved` tokens can serve a reuse of its first `prefix`. A
+        saved state keeps sliding-window KV for the last window of its tokens only (llama.cpp
+        drops the rest when saving): past one window it serves just prompts that continue all
+        of it, as the next turn of a chat does."""
+        return self._n_swa == 0 or saved < self._n_swa or prefix >= saved
+
+    def adopt(self, entry: CachedSequence) -> None:
+        """Put a saved state (loaded from the disk tier) where the next admission finds it."""
+        self._counters.host_evictions += self.prompt_cache.insert(entry)
+
+    def cached_prefix(self, tokens: list[int], namespace: str) -> int:
+        """How many leading tokens of `tokens` are held for `namespace`, in a slot or in the
+        host cache."""
+        in_slots = max((shared_prefix(slot, tokens, namespace) for slot in self._slots), default=0)
+        _, in_host = self.prompt_cache.longest_prefix(tokens, namespace)
+        return max(in_slots, in_host)
+
+    def held_sequences(self) -> list[tuple[str, list[int]]]:
+        """(namespace, tokens) of every sequence held, in the slots and the host cache."""
+        return [(slot.namespace, list(slot.cache_tokens)) for slot in self._slots] + self.prompt_cache.sequences()

@@ -1,0 +1,110 @@
+"""What each engine step does: which waiting requests start, which slots decode, which prompt
+chunks go in the batch and how many rows drafts may take. Pure policy over slots and the
+request queue: it never touches llama.cpp, so it is tested without a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from fastrun_cpp.engine.request_queue import RequestQueue, WaitingRequest
+from fastrun_cpp.engine.slot import Slot
+from fastrun_cpp.engine.speculative import SpeculationConfig
+
+
+@dataclass
+class Admission:
+    """Choices of a waiting request that start now, one free slot each."""
+
+    item: WaitingRequest
+    choices: list[int]
+    first_wave: bool  # the request's first: its prompt and cache use are counted once
+
+
+@dataclass
+class StepPlan:
+    decoding: list[Slot]  # slots with a sampled token to decode
+    prefilling: list[Slot]  # slots with prompt left, oldest admission first
+    draft_rows: int  # rows drafts may take (0: no drafting this step)
+
+
+class Scheduler:
+    def __init__(self, slots: list[Slot], queue: RequestQueue, *, batch_capacity: int,
+                 speculation: SpeculationConfig) -> None:
+        self._slots = slots
+        self.queue = queue
+        self._capacity = batch_capacity
+        self._speculation = speculation
+        self._draft_turn = 1  # increases every drafting step; orders slots' turns to draft (0: never drafted)
+
+    def places_of(self, choices: int) -> int:
+        """Queue places a request of `choices` takes: a slot's worth per choice up to all the
+        slots; more run in later waves of its own places."""
+        return min(choices, len(self._slots))
+
+    def free_slots(self) -> list[Slot]:
+        return [slot for slot in self._slots if slot.is_free]
+
+    def admissions(self) -> Iterator[Admission]:
+        """The waves that start now, in the queue's order. A request's first wave waits until
+        that many slots are free (at most all of them); a later wave starts on whatever slots
+        are free and goes back to the queue with the choices still to run. The caller starts
+        each admission before asking for the next."""
+        while (item := self.queue.peek()) is not None:
+            free = len(self.free_slots())
+            if free < (1 if item.started else self.places_of(len(item.pending))):
+                return
+            self.queue.pop()
+            first_wave, item.started = not item.started, True
+            wave, item.pending = item.pending[:free], item.pending[free:]
+            if item.pending:
+                self.queue.requeue(item)
+            yield Admission(item, wave, first_wave)
+
+    def drop_queued(self, whole: set[str], choices: set[tuple[str, int | None]]) -> list[tuple[str, int]]:
+        """Take out of the queue every waiting choice of the requests in `whole` and the
+        (request, choice) pairs in `choices`; returns what was taken."""
+        dropped: list[tuple[str, int]] = []
+        for item in self.queue:
+            request_id = item.request.request_id
+            stopped = item.pending if request_id in whole else [i for i in item.pending if (request_id, i) in choices]
+            if not stopped:
+                continue
+            dropped += [(request_id, index) for index in stopped]
+            item.pending = [index for index in item.pending if index not in stopped]
+            if not item.pending:
+                self.queue.remove(item)
+        return dropped
+
+    def plan(self) -> StepPlan:
+        decoding = [slot for slot in self._slots if slot.is_decoding]
+        prefilling = sorted((slot for slot in self._slots if slot.is_prefilling), key=lambda slot: slot.admitted_at)
+        spec = self._speculation
+        prompt_rows = sum(len(slot.request.prompt_tokens) - slot.prompt_cursor for slot in prefilling)
+        # Drafts take only rows no prompt is waiting for: a prompt row is sure progress, a
+        # drafted one a guess; under load speculation yields to batching and prefill alike.
+        rows = min(spec.batch_rows - len(decoding), self._capacity - len(decoding) - prompt_rows)
+        return StepPlan(decoding, prefilling, rows if spec.enabled and rows >= spec.draft_min else 0)
+
+    def draft_turns(self, decoding: list[Slot]) -> list[Slot]:
+        """The slots that may draft, longest since their last draft first (fair turns when rows
+        are scarce)."""
+        return sorted((slot for slot in decoding if slot.speculative), key=lambda slot: slot.drafted_at)
+
+    def drafted(self, slots: list[Slot]) -> None:
+        """These slots drafted this step, verified or not: their turn ends."""
+        for slot in slots:
+            slot.drafted_at = self._draft_turn
+        self._draft_turn += 1
+
+    @staticmethod
+    def prompt_chunks(prefilling: list[Slot], free_rows: int) -> list[tuple[Slot, int]]:
+        """How many prompt tokens of each prefilling slot fit the rows left, oldest first."""
+        chunks = []
+        for slot in prefilling:
+            if free_rows == 0:
+                break
+            length = min(free_rows, len(slot.request.prompt_tokens) - slot.prompt_cursor)
+            chunks.append((slot, length))
+            free_rows -= length
+        return chunks

@@ -1,0 +1,272 @@
+"""The engine's policy parts without a model: the scheduler and its request queue, and the KV
+cache manager over a fake sequence memory that plays llama.cpp's part."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS, KVCacheManager
+from fastrun_cpp.engine.prompt_cache import PromptCache
+from fastrun_cpp.engine.request import GenerationRequest
+from fastrun_cpp.engine.request_queue import FifoQueue, WaitingRequest
+from fastrun_cpp.engine.scheduler import Scheduler
+from fastrun_cpp.engine.slot import Slot
+from fastrun_cpp.engine.speculative import SpeculationConfig
+from fastrun_cpp.engine.stats import EngineStats
+
+
+def waiting(request_id: str, n: int = 1, prompt: list[int] | None = None) -> WaitingRequest:
+    request = GenerationRequest(request_id, prompt or [1, 2, 3], n=n)
+    return WaitingRequest(request, None, list(range(n)))
+
+
+def occupy(slot: Slot, request_id: str, prompt: list[int] | None = None, *, cursor: int | None = None,
+           admitted_at: int = 0) -> None:
+    """Put a request in a slot the way the engine's start does, without a sampler."""
+    slot.request = GenerationRequest(request_id, prompt or [1, 2, 3])
+    slot.prompt_cursor = len(slot.request.prompt_tokens) if cursor is None else cursor
+    slot.admitted_at = admitted_at
+    slot.pending_token = 7 if slot.prompt_cursor == len(slot.request.prompt_tokens) else None
+
+
+def scheduler(slots: int = 2, *, capacity: int = 64, speculation: SpeculationConfig | None = None) -> Scheduler:
+    return Scheduler([Slot(i) for i in range(slots)], FifoQueue(), batch_capacity=capacity,
+                     speculation=speculation or SpeculationConfig(kind="none"))
+
+
+def admit_all(sched: Scheduler) -> list[tuple[str, list[int], bool]]:
+    """Run the admissions, taking a slot per choice as the engine would."""
+    started = []
+    for admission in sched.admissions():
+        for index, slot in zip(admission.choices, sched.free_slots()):
+            occupy(slot, admission.item.request.request_id)
+            slot.index = index
+        started.append((admission.item.request.request_id, admission.choices, admission.first_wave))
+    return started
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+def test_requests_start_first_come_first_served():
+    sched = scheduler(2)
+    for name in "abc":
+        sched.queue.push(waiting(name))
+    assert admit_all(sched) == [("a", [0], True), ("b", [0], True)]
+    assert [item.request.request_id for item in sched.queue] == ["c"]
+
+
+def test_a_first_wave_waits_for_as_many_slots_as_it_has_choices():
+    sched = scheduler(3)
+    occupy(sched._slots[0], "busy")
+    sched.queue.push(waiting("wide", n=3))
+    sched.queue.push(waiting("small"))
+    # Two slots are free but the wide request's first wave needs all three: nothing overtakes it.
+    assert admit_all(sched) == []
+    sched._slots[0].release(1)
+    assert admit_all(sched) == [("wide", [0, 1, 2], True)]
+
+
+def test_choices_beyond_the_slot_count_take_turns_with_the_requests_behind():
+    sched = scheduler(2)
+    sched.queue.push(waiting("many", n=5))
+    sched.queue.push(waiting("next"))
+    assert admit_all(sched) == [("many", [0, 1], True)]
+    assert [item.request.request_id for item in sched.queue] == ["next", "many"]
+    sched._slots[0].release(1)
+    assert admit_all(sched) == [("next", [0], True)]
+    sched._slots[1].release(2)
+    assert admit_all(sched) == [("many", [2], False)]  # a later wave: its prompt is counted once
+    assert [item.request.request_id for item in sched.queue] == ["many"] and list(sched.queue)[0].pending == [3, 4]
+
+
+def test_queued_choices_are_dropped_whole_or_one_by_one():
+    sched = scheduler(1)
+    occupy(sched._slots[0], "busy")
+    sched.queue.push(waiting("a", n=3))
+    sched.queue.push(waiting("b", n=1))
+    dropped = sched.drop_queued({"b"}, {("a", 1)})
+    assert sorted(dropped) == [("a", 1), ("b", 0)]
+    items = list(sched.queue)
+    assert [item.request.request_id for item in items] == ["a"] and items[0].pending == [0, 2]
+    assert sched.drop_queued(set(), {("a", 0), ("a", 2)}) == [("a", 0), ("a", 2)]
+    assert len(sched.queue) == 0
+
+
+def test_prompt_chunks_go_to_the_oldest_admission_within_the_rows_left():
+    sched = scheduler(3, capacity=10)
+    slots = sched._slots
+    occupy(slots[0], "young", list(range(8)), cursor=0, admitted_at=5)
+    occupy(slots[1], "old", list(range(6)), cursor=2, admitted_at=1)
+    occupy(slots[2], "decoding")
+    plan = sched.plan()
+    assert plan.decoding == [slots[2]]
+    assert plan.prefilling == [slots[1], slots[0]]
+    chunks = sched.prompt_chunks(plan.prefilling, 10 - len(plan.decoding))
+    assert [(slot.request.request_id, n) for slot, n in chunks] == [("old", 4), ("young", 5)]
+
+
+def test_drafts_get_only_rows_no_prompt_waits_for():
+    spec = SpeculationConfig(kind="ngram", batch_rows=16, draft_min=2)
+    sched = scheduler(3, capacity=20, speculation=spec)
+    slots = sched._slots
+    occupy(slots[0], "a")
+    occupy(slots[1], "b")
+    assert sched.plan().draft_rows == 16 - 2  # the speculation's own bound
+    occupy(slots[2], "long prompt", list(range(29)), cursor=0)
+    assert sched.plan().draft_rows == 0  # the prompt needs every row left
+    slots[2].prompt_cursor = 20
+    assert sched.plan().draft_rows == 20 - 2 - 9
+    assert scheduler(2, speculation=SpeculationConfig(kind="none")).plan().draft_rows == 0
+
+
+def test_slots_take_turns_to_draft():
+    sched = scheduler(3, speculation=SpeculationConfig(kind="ngram"))
+    for slot in sched._slots:
+        occupy(slot, f"r{slot.seq_id}")
+        slot.speculative = True
+    first = sched.draft_turns(sched._slots)
+    sched.drafted(first[:1])
+    assert sched.draft_turns(sched._slots)[-1] is first[0]
+
+
+# ------------------------------------------------------------------- KV cache manager
+
+
+class FakeMemory:
+    """Sequences as token lists, as llama.cpp would hold their KV; `decode` plays llama_decode
+    writing a slot's new tokens."""
+
+    def __init__(self, n_swa_dropped: int = 0) -> None:
+        self.sequences: dict[int, list[int]] = {}
+        self.dropped_positions = n_swa_dropped  # a sliding window's oldest positions are gone
+
+    def decode(self, slot: Slot) -> None:
+        self.sequences[slot.seq_id] = list(slot.cache_tokens)
+
+    def remove(self, seq_id: int, start: int) -> bool:
+        del self.sequences.setdefault(seq_id, [])[max(0, start):]
+        return True
+
+    def copy(self, source: int, target: int) -> None:
+        self.sequences[target] = list(self.sequences.get(source, []))
+
+    def first_position(self, seq_id: int) -> int:
+        return self.dropped_positions
+
+    def state(self, seq_id: int) -> np.ndarray | None:
+        return np.array(self.sequences.get(seq_id, []), dtype=np.int64).view(np.uint8)
+
+    def set_state(self, seq_id: int, state: np.ndarray, nbytes: int) -> bool:
+        self.sequences[seq_id] = state.view(np.int64).tolist()
+        return True
+
+    def clear(self) -> None:
+        self.sequences.clear()
+
+
+def manager(slots: int = 2, *, n_swa: int = 0, host_mib: int = 16, memory: FakeMemory | None = None):
+    memory = memory or FakeMemory()
+    all_slots = [Slot(i) for i in range(slots)]
+    kv = KVCacheManager(memory, all_slots, n_swa=n_swa, prompt_cache=PromptCache(host_mib << 20), disk_cache=None,
+                        counters=EngineStats())
+    return kv, memory, all_slots
+
+
+def fill(kv: KVCacheManager, memory: FakeMemory, slot: Slot, tokens: list[int], namespace: str = "") -> None:
+    """The slot evaluates `tokens` from scratch, as a request's prompt and answer."""
+    kv.clear(slot)
+    slot.namespace = namespace
+    kv.extend(slot, tokens)
+    memory.decode(slot)
+
+
+def holds_exactly_its_tokens(memory: FakeMemory, slots: list[Slot]) -> bool:
+    return all(memory.sequences.get(slot.seq_id, []) == slot.cache_tokens for slot in slots)
+
+
+def test_a_prompt_goes_to_the_slot_with_the_longest_prefix_it_may_reuse():
+    kv, memory, slots = manager(3)
+    fill(kv, memory, slots[0], [1, 2, 3, 4])
+    fill(kv, memory, slots[1], [1, 2, 9])
+    slots[2].last_used = -1
+    assert kv.choose(slots, [1, 2, 3, 4, 5], "") is slots[0]
+    # Another namespace may reuse nothing, so it gets the least recently used slot.
+    assert kv.choose(slots, [1, 2, 3, 4, 5], "tenant") is slots[2]
+
+
+def test_prepare_keeps_the_shared_prefix_but_never_the_last_prompt_token():
+    kv, memory, slots = manager(1)
+    fill(kv, memory, slots[0], [1, 2, 3, 4, 5, 6])
+    assert kv.prepare(slots[0], [1, 2, 3, 9], "") == ("slot", 3)
+    assert slots[0].cache_tokens == [1, 2, 3] and holds_exactly_its_tokens(memory, slots)
+    assert kv.prepare(slots[0], [1, 2, 3], "") == ("slot", 2)  # the whole prompt cached: its last is evaluated
+    assert kv.prepare(slots[0], [5, 5], "") == ("miss", 0)
+    assert slots[0].cache_tokens == [] and holds_exactly_its_tokens(memory, slots)
+
+
+def test_another_namespace_reuses_nothing_from_any_tier():
+    kv, memory, slots = manager(1)
+    secret = list(range(100, 100 + 2 * MIN_SAVED_TOKENS))
+    fill(kv, memory, slots[0], secret, namespace="account:a")
+    assert kv.cached_prefix(secret, "account:b") == 0
+    assert kv.prepare(slots[0], secret + [1], "account:b") == ("miss", 0)  # the slot's KV is saved, not reused
+    assert kv.cached_prefix(secret, "account:b") == 0
+    assert kv.cached_prefix(secret, "account:a") == len(secret)  # from the host tier
+    fill(kv, memory, slots[0], [7] * 40, namespace="account:b")
+    assert kv.prepare(slots[0], secret + [1], "account:a") == ("host", len(secret))
+    assert slots[0].namespace == "account:a" and holds_exactly_its_tokens(memory, slots)
+
+
+def test_a_longer_prefix_in_the_host_tier_is_restored_over_the_slots_own():
+    kv, memory, slots = manager(1)
+    long = list(range(3 * MIN_SAVED_TOKENS))
+    fill(kv, memory, slots[0], long)
+    kv.save(slots[0])
+    fill(kv, memory, slots[0], long[:5] + [999] * 40)
+    source, reused = kv.prepare(slots[0], long + [1, 2], "")
+    assert (source, reused) == ("host", len(long))
+    assert slots[0].cache_tokens == long and holds_exactly_its_tokens(memory, slots)
+
+
+def test_short_sequences_are_not_worth_saving():
+    kv, memory, slots = manager(1)
+    fill(kv, memory, slots[0], list(range(MIN_SAVED_TOKENS - 1)))
+    kv.save(slots[0])
+    assert len(kv.prompt_cache) == 0
+    fill(kv, memory, slots[0], list(range(MIN_SAVED_TOKENS)))
+    kv.save(slots[0])
+    assert len(kv.prompt_cache) == 1
+
+
+def test_a_sliding_window_that_dropped_the_prefix_start_is_not_reused():
+    memory = FakeMemory(n_swa_dropped=50)
+    kv, memory, slots = manager(1, n_swa=16, memory=memory)
+    fill(kv, memory, slots[0], list(range(60)))
+    assert kv.prepare(slots[0], list(range(60)) + [1], "") == ("miss", 0)
+    memory.dropped_positions = 0
+    fill(kv, memory, slots[0], list(range(60)))
+    assert kv.prepare(slots[0], list(range(60)) + [1], "") == ("slot", 60)
+
+
+@pytest.mark.parametrize("operation", ["truncate", "copy", "clear", "take_for_copy", "clear_all"])
+def test_every_change_keeps_a_sequence_holding_exactly_its_tokens(operation):
+    kv, memory, slots = manager(2)
+    fill(kv, memory, slots[0], list(range(40)))
+    fill(kv, memory, slots[1], list(range(50, 90)))
+    if operation == "truncate":
+        kv.truncate(slots[0], 17)
+        assert slots[0].cache_tokens == list(range(17))
+    elif operation == "copy":
+        kv.copy(slots[0], slots[1])
+        assert slots[1].cache_tokens == list(range(40))
+    elif operation == "clear":
+        kv.clear(slots[1])
+    elif operation == "take_for_copy":
+        kv.take_for_copy(slots[1], "x")
+        assert slots[1].cache_tokens == [] and len(kv.prompt_cache) == 1  # what it held is saved
+    else:
+        kv.clear_all()
+        assert all(slot.cache_tokens == [] for slot in slots)
+    assert holds_exactly_its_tokens(memory, slots)
