@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import signal
 import sys
@@ -81,7 +82,24 @@ def _parser() -> argparse.ArgumentParser:
         "share-cache", help="let accounts that trust each other reuse each other's cached prompts (one group each)")
     share.add_argument("account")
     share.add_argument("group", nargs="?", help="the group's name; omitted: the account's prompts are its own again")
-    for sub in (create, listing, revoke, approve, unapprove, admin, share):
+    weight = key_commands.add_parser(
+        "weight", help="an account's share of the slots against other accounts with work waiting (default 1)")
+    weight.add_argument("account")
+    weight.add_argument("weight", type=float)
+    priority = key_commands.add_parser(
+        "priority", help="the most urgent request priority an account may ask for (lower runs first; default 0)")
+    priority.add_argument("account")
+    priority.add_argument("priority", type=int)
+    limit = key_commands.add_parser(
+        "limit", help="an account's limits, answered with 429 and Retry-After (0 removes one)")
+    limit.add_argument("account")
+    limit.add_argument("--rpm", type=int, help="requests per minute")
+    limit.add_argument("--tpm", type=int, help="prompt and completion tokens per minute")
+    limit.add_argument("--concurrent", type=int, help="requests in flight at once")
+    usage = key_commands.add_parser("usage", help="requests and tokens used per account (kept across restarts)")
+    usage.add_argument("--account")
+    usage.add_argument("--since", type=_since, help="from this date or time on (ISO 8601, e.g. 2026-11-01)")
+    for sub in (create, listing, revoke, approve, unapprove, admin, share, weight, priority, limit, usage):
         _add_settings_flags(sub, names=("keys_db",))
     return parser
 
@@ -211,10 +229,42 @@ def keys(command: str, args: dict[str, Any]) -> int:
             group = args["group"]
             print(f"account {args['account']!r} shares cached prompts with group {group!r}" if group
                   else f"account {args['account']!r} keeps its cached prompts to itself")
+        elif command in ("weight", "priority", "limit"):
+            if command == "weight":
+                found = store.set_weight(args["account"], args["weight"])
+                done = f"account {args['account']!r} has weight {args['weight']:g}"
+            elif command == "priority":
+                found = store.set_min_priority(args["account"], args["priority"])
+                done = f"account {args['account']!r} may ask for priority {args['priority']} or less urgent"
+            else:
+                found = store.set_limits(args["account"], rpm=args["rpm"], tpm=args["tpm"],
+                                         max_concurrent=args["concurrent"])
+                done = f"account {args['account']!r}: limits set"
+            if not found:
+                print(f"no account {args['account']!r}", file=sys.stderr)
+                return 1
+            print(done)
+        elif command == "usage":
+            rows = store.usage(args.get("account"), args.get("since"))
+            print(f"{'account':20}  {'requests':>9}  {'prompt':>11}  {'cached':>11}  {'completion':>11}")
+            for account, used in rows.items():
+                print(f"{account:20}  {used.requests:>9}  {used.prompt_tokens:>11}  {used.cached_tokens:>11}  "
+                      f"{used.completion_tokens:>11}")
     except KeyStoreError as exc:
         print(f"fastrun-cpp: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _since(value: str) -> int:
+    """An ISO 8601 date or time (UTC unless it says) as Unix time."""
+    try:
+        moment = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {value!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return int(moment.timestamp())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

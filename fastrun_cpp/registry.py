@@ -70,6 +70,9 @@ class ModelConfig(StrictModel):
         4, ge=0, description="Disk (GiB) for KV prefixes under --prompt-cache-dir, kept across restarts; 0: off."
     )
     max_queue: int = Field(64, ge=0, description="Requests that may wait for a slot before the server answers 429.")
+    queue_policy: Literal["fair", "fifo"] = Field(
+        "fair", description="fair: lower priority values first, then fair shares of accounts by tokens served (by "
+        "weight), preempting a running sequence to host RAM to keep both; fifo: first come, first served.")
     swa_full: bool = Field(
         True, description="Keep the full KV of sliding-window layers so their prefixes stay reusable."
     )
@@ -169,7 +172,7 @@ def _looks_like_a_path(value: str) -> bool:
 
 # Settings that override a ModelConfig field of the same name when given.
 MODEL_OVERRIDES = ("slots", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
-                   "max_queue", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
+                   "max_queue", "queue_policy", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
                    "embedding_pooling")
 

@@ -94,6 +94,7 @@ class Settings(BaseSettings):
     embedding_pooling: Literal["mean", "cls", "last"] | None = _model_field("embedding_pooling")
     deterministic: bool | None = _model_field("deterministic")
     max_queue: int | None = _model_field("max_queue")
+    queue_policy: Literal["fair", "fifo"] | None = _model_field("queue_policy")
     spec_type: Literal["none", "ngram", "draft"] | None = _model_field("spec_type")
     spec_draft_max: int | None = _model_field("spec_draft_max")
     spec_draft_min: int | None = _model_field("spec_draft_min")

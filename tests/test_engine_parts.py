@@ -9,22 +9,24 @@ import pytest
 from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS, KVCacheManager
 from fastrun_cpp.engine.prompt_cache import PromptCache
 from fastrun_cpp.engine.request import GenerationRequest
-from fastrun_cpp.engine.request_queue import FifoQueue, WaitingRequest
-from fastrun_cpp.engine.scheduler import Scheduler
+from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, WaitingRequest
+from fastrun_cpp.engine.scheduler import Admission, Preemption, Scheduler
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.speculative import SpeculationConfig
 from fastrun_cpp.engine.stats import EngineStats
 
 
-def waiting(request_id: str, n: int = 1, prompt: list[int] | None = None) -> WaitingRequest:
-    request = GenerationRequest(request_id, prompt or [1, 2, 3], n=n)
+def waiting(request_id: str, n: int = 1, prompt: list[int] | None = None, *, account: str = "",
+            priority: int = 0, weight: float = 1.0) -> WaitingRequest:
+    request = GenerationRequest(request_id, prompt or [1, 2, 3], n=n, account=account, priority=priority,
+                                weight=weight)
     return WaitingRequest(request, None, list(range(n)))
 
 
 def occupy(slot: Slot, request_id: str, prompt: list[int] | None = None, *, cursor: int | None = None,
-           admitted_at: int = 0) -> None:
+           admitted_at: int = 0, account: str = "", priority: int = 0) -> None:
     """Put a request in a slot the way the engine's start does, without a sampler."""
-    slot.request = GenerationRequest(request_id, prompt or [1, 2, 3])
+    slot.request = GenerationRequest(request_id, prompt or [1, 2, 3], account=account, priority=priority)
     slot.prompt_cursor = len(slot.request.prompt_tokens) if cursor is None else cursor
     slot.admitted_at = admitted_at
     slot.pending_token = 7 if slot.prompt_cursor == len(slot.request.prompt_tokens) else None
@@ -87,10 +89,10 @@ def test_queued_choices_are_dropped_whole_or_one_by_one():
     sched.queue.push(waiting("a", n=3))
     sched.queue.push(waiting("b", n=1))
     dropped = sched.drop_queued({"b"}, {("a", 1)})
-    assert sorted(dropped) == [("a", 1), ("b", 0)]
+    assert sorted((item.request.request_id, index) for item, index in dropped) == [("a", 1), ("b", 0)]
     items = list(sched.queue)
     assert [item.request.request_id for item in items] == ["a"] and items[0].pending == [0, 2]
-    assert sched.drop_queued(set(), {("a", 0), ("a", 2)}) == [("a", 0), ("a", 2)]
+    assert [index for _, index in sched.drop_queued(set(), {("a", 0), ("a", 2)})] == [0, 2]
     assert len(sched.queue) == 0
 
 
@@ -129,6 +131,97 @@ def test_slots_take_turns_to_draft():
     first = sched.draft_turns(sched._slots)
     sched.drafted(first[:1])
     assert sched.draft_turns(sched._slots)[-1] is first[0]
+
+
+# ------------------------------------------------------------- fair shares, priorities
+
+
+def ids(queue) -> list[str]:
+    order = []
+    while queue.peek() is not None:
+        order.append(queue.pop().request.request_id)
+    return order
+
+
+def test_one_account_at_one_priority_is_served_first_come_first_served():
+    queue = FairShareQueue(slots=4)
+    for name in "abcde":
+        queue.push(waiting(name))
+    assert ids(queue) == list("abcde")
+
+
+def test_accounts_take_turns_by_the_tokens_they_were_served_over_their_weight():
+    queue = FairShareQueue(slots=4)
+    for i in range(3):
+        queue.push(waiting(f"heavy{i}", account="heavy"))
+    queue.charge(GenerationRequest("x", [1], account="heavy"), 1000)
+    queue.push(waiting("light0", account="light"))
+    queue.push(waiting("light1", account="light"))
+    assert queue.pop().request.request_id == "light0"  # it starts just behind the heavy account
+    queue.charge(GenerationRequest("y", [1], account="light"), 400)
+    assert queue.pop().request.request_id == "heavy0"  # 1000 served against 999 + 400
+    queue.charge(GenerationRequest("x", [1], account="heavy"), 100)
+    assert queue.pop().request.request_id == "heavy1"  # 1100 against 1399
+    queue.charge(GenerationRequest("x", [1], account="heavy"), 1000)
+    assert queue.pop().request.request_id == "light1"
+    # A weight of 4 makes each token count a quarter.
+    weighted = FairShareQueue(slots=4)
+    weighted.push(waiting("a", account="a"))
+    weighted.push(waiting("b", account="b", weight=4.0))
+    weighted.charge(GenerationRequest("a", [1], account="a"), 100)
+    weighted.charge(GenerationRequest("b", [1], account="b", weight=4.0), 300)
+    assert weighted.peek().request.request_id == "b"
+
+
+def test_an_account_back_from_idling_has_banked_no_credit():
+    queue = FairShareQueue(slots=2)
+    queue.push(waiting("busy0", account="busy"))
+    queue.charge(GenerationRequest("x", [1], account="busy"), 5000)
+    queue.push(waiting("idle0", account="idle"))  # it starts just behind the least served waiting
+    assert queue.peek().request.request_id == "idle0"
+    queue.charge(GenerationRequest("x", [1], account="idle"), 2)  # not 5000 tokens of credit
+    assert queue.peek().request.request_id == "busy0"
+
+
+def test_the_most_urgent_priority_goes_first_whatever_the_shares():
+    queue = FairShareQueue(slots=2)
+    queue.push(waiting("normal", account="a"))
+    queue.push(waiting("later", account="b", priority=5))
+    queue.push(waiting("urgent", account="a", priority=-1))
+    queue.charge(GenerationRequest("x", [1], account="a"), 10_000)
+    assert ids(queue) == ["urgent", "normal", "later"]
+
+
+def test_preemption_goes_to_the_least_urgent_then_to_the_account_most_over_its_share():
+    sched = Scheduler([Slot(i) for i in range(4)], FairShareQueue(slots=4), batch_capacity=64,
+                      speculation=SpeculationConfig(kind="none"))
+    slots = sched._slots
+    for slot in slots:
+        occupy(slot, f"flood{slot.seq_id}", account="flood", admitted_at=slot.seq_id)
+    sched.queue.push(waiting("small", account="small"))
+    steps = list(sched.admissions())
+    # One preemption, of the newest; then no slot is free (the caller did not free it), so
+    # the same slot is not asked for again and admission stops.
+    assert [type(step) for step in steps] == [Preemption] and steps[0].slot is slots[3]
+    slots[3].detach(clock=1)
+    steps = list(sched.admissions())
+    assert [type(step) for step in steps] == [Admission] and steps[0].item.request.account == "small"
+    occupy(slots[3], "small", account="small")
+    # The flood's next request is over its share (4 slots, 2 accounts: 2 each): no preemption.
+    sched.queue.push(waiting("flood-more", account="flood"))
+    assert list(sched.admissions()) == []
+    # An urgent request preempts whatever runs at the least urgent priority, newest first.
+    slots[1].request.priority = 3
+    sched.queue.push(waiting("urgent", account="flood", priority=-1))
+    steps = list(sched.admissions())
+    assert steps and isinstance(steps[0], Preemption) and steps[0].slot is slots[1]
+
+
+def test_a_fifo_queue_never_preempts():
+    sched = scheduler(1)
+    occupy(sched._slots[0], "running", priority=9)
+    sched.queue.push(waiting("urgent", priority=-9))
+    assert list(sched.admissions()) == []
 
 
 # ------------------------------------------------------------------- KV cache manager

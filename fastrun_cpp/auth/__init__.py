@@ -2,12 +2,15 @@
 
 from fastrun_cpp.auth.keystore import (
     KEY_PATTERN,
+    AccountLimits,
     ActiveKey,
     KeyInfo,
     KeySnapshot,
     KeyStore,
     KeyStoreError,
+    Usage,
     hash_key,
 )
 
-__all__ = ["KEY_PATTERN", "ActiveKey", "KeyInfo", "KeySnapshot", "KeyStore", "KeyStoreError", "hash_key"]
+__all__ = ["KEY_PATTERN", "AccountLimits", "ActiveKey", "KeyInfo", "KeySnapshot", "KeyStore", "KeyStoreError", "Usage",
+           "hash_key"]

@@ -26,7 +26,21 @@ CREATE TABLE IF NOT EXISTS accounts (
     approved INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     admin INTEGER NOT NULL DEFAULT 0,
-    cache_group TEXT
+    cache_group TEXT,
+    weight REAL NOT NULL DEFAULT 1,
+    min_priority INTEGER NOT NULL DEFAULT 0,
+    rpm INTEGER,
+    tpm INTEGER,
+    max_concurrent INTEGER
+);
+CREATE TABLE IF NOT EXISTS usage (
+    account TEXT NOT NULL,
+    hour INTEGER NOT NULL,
+    requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    PRIMARY KEY (account, hour)
 );
 CREATE TABLE IF NOT EXISTS keys (
     id INTEGER PRIMARY KEY,
@@ -41,7 +55,15 @@ CREATE TABLE IF NOT EXISTS keys (
 _ADDED_COLUMNS = (
     ("accounts", "admin", "INTEGER NOT NULL DEFAULT 0"),  # may read /metrics
     ("accounts", "cache_group", "TEXT"),  # shares prompt caches with the accounts of this group
+    ("accounts", "weight", "REAL NOT NULL DEFAULT 1"),  # its share of the slots against other accounts'
+    ("accounts", "min_priority", "INTEGER NOT NULL DEFAULT 0"),  # the most urgent priority it may ask for
+    ("accounts", "rpm", "INTEGER"),  # requests per minute (NULL: no limit)
+    ("accounts", "tpm", "INTEGER"),  # prompt and completion tokens per minute
+    ("accounts", "max_concurrent", "INTEGER"),  # requests in flight at once
 )
+# The account columns a server reads, with what an older store without them means.
+_SERVED_COLUMNS = (("admin", 0), ("cache_group", None), ("weight", 1.0), ("min_priority", 0), ("rpm", None),
+                   ("tpm", None), ("max_concurrent", None))
 
 
 class KeyStoreError(Exception):
@@ -62,6 +84,23 @@ class KeyInfo:
     account_approved: bool
 
 
+@dataclass
+class Usage:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class AccountLimits:
+    """Per-account limits (None: none): requests and tokens per minute, requests in flight."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+
+
 @dataclass(frozen=True)
 class ActiveKey:
     key_hash: str
@@ -70,6 +109,9 @@ class ActiveKey:
     account_approved: bool
     admin: bool = False
     cache_group: str | None = None
+    weight: float = 1.0  # share of the slots against other accounts with work waiting
+    min_priority: int = 0  # the most urgent priority its requests may ask for (lower runs first)
+    limits: AccountLimits = AccountLimits()
 
     @property
     def cache_namespace(self) -> str:
@@ -139,11 +181,63 @@ class KeyStore:
             cursor = db.execute("UPDATE accounts SET admin = ? WHERE name = ?", (int(admin), account))
             return cursor.rowcount == 1
 
+    def set_weight(self, account: str, weight: float) -> bool:
+        if not (0 < weight <= 1000):
+            raise KeyStoreError("a weight is a number over 0, at most 1000")
+        return self._update(account, "weight", weight)
+
+    def set_min_priority(self, account: str, priority: int) -> bool:
+        return self._update(account, "min_priority", priority)
+
+    def set_limits(self, account: str, *, rpm: int | None, tpm: int | None, max_concurrent: int | None) -> bool:
+        """Set the given limits (0: remove that limit); None leaves one as it is."""
+        changed = True
+        for column, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", max_concurrent)):
+            if value is not None:
+                if value < 0:
+                    raise KeyStoreError(f"{column} must be 0 (no limit) or more")
+                changed = self._update(account, column, value or None) and changed
+        return changed
+
+    def _update(self, account: str, column: str, value: object) -> bool:
+        with self._write() as db:
+            cursor = db.execute(f"UPDATE accounts SET {column} = ? WHERE name = ?", (value, account))
+            return cursor.rowcount == 1
+
     def set_cache_group(self, account: str, group: str | None) -> bool:
         """Let the accounts of one group reuse each other's cached prompts (None: the account's own)."""
         with self._write() as db:
             cursor = db.execute("UPDATE accounts SET cache_group = ? WHERE name = ?", (group, account))
             return cursor.rowcount == 1
+
+    # ------------------------------------------------------------------ usage
+
+    def add_usage(self, counts: dict[tuple[str, int], Usage]) -> None:
+        """Add usage by (account, hour: the Unix time of the hour's start)."""
+        with self._write() as db:
+            db.executemany(
+                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (account, hour) DO UPDATE SET "
+                "requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+                "cached_tokens = cached_tokens + excluded.cached_tokens, "
+                "completion_tokens = completion_tokens + excluded.completion_tokens",
+                [(account, hour, u.requests, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+                 for (account, hour), u in counts.items()])
+
+    def usage(self, account: str | None = None, since: int | None = None) -> dict[str, Usage]:
+        """Usage by account, from the hour holding `since` (Unix time) on."""
+        if not self.path.exists():
+            return {}
+        query = ("SELECT account, SUM(requests), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens) "
+                 "FROM usage WHERE hour >= ?")
+        params: list = [0 if since is None else since - since % 3600]
+        if account is not None:
+            query += " AND account = ?"
+            params.append(account)
+        with self._read() as db:
+            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage'").fetchone():
+                return {}
+            rows = db.execute(query + " GROUP BY account ORDER BY account", params).fetchall()
+        return {r[0]: Usage(r[1], r[2], r[3], r[4]) for r in rows}
 
     # ------------------------------------------------------------------ serving
 
@@ -153,17 +247,22 @@ class KeyStore:
             return KeySnapshot(active={}, any_keys=False)
         with self._read() as db:
             columns = {row[1] for row in db.execute("PRAGMA table_info(accounts)")}
-            extra = ", ".join(f"a.{name}" if name in columns else "NULL" for name in ("admin", "cache_group"))
+            extra = ", ".join(f"a.{name}" if name in columns else "NULL" for name, _ in _SERVED_COLUMNS)
             rows = db.execute(
                 f"SELECT k.key_hash, k.id, k.account, a.approved, k.revoked_at, {extra} "
                 "FROM keys k JOIN accounts a ON a.name = k.account"
             ).fetchall()
-        active = {
-            r[0]: ActiveKey(key_hash=r[0], key_id=r[1], account=r[2], account_approved=bool(r[3]), admin=bool(r[5]),
-                            cache_group=r[6])
-            for r in rows
-            if r[4] is None
-        }
+        active = {}
+        for r in rows:
+            if r[4] is not None:
+                continue
+            served = {name: default if value is None else value
+                      for (name, default), value in zip(_SERVED_COLUMNS, r[5:])}
+            active[r[0]] = ActiveKey(
+                key_hash=r[0], key_id=r[1], account=r[2], account_approved=bool(r[3]), admin=bool(served["admin"]),
+                cache_group=served["cache_group"], weight=float(served["weight"]),
+                min_priority=int(served["min_priority"]),
+                limits=AccountLimits(served["rpm"], served["tpm"], served["max_concurrent"]))
         return KeySnapshot(active=active, any_keys=bool(rows))
 
     # ------------------------------------------------------------------ plumbing

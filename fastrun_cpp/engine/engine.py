@@ -36,9 +36,9 @@ from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.output import OutputProcessor
 from fastrun_cpp.engine.prompt_cache import PromptCache
 from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest
-from fastrun_cpp.engine.request_queue import FifoQueue, WaitingRequest
+from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, Paused, WaitingRequest
 from fastrun_cpp.engine.sampling import NO_TOKEN, Candidates, SamplerChain
-from fastrun_cpp.engine.scheduler import Admission, Scheduler
+from fastrun_cpp.engine.scheduler import Admission, Preemption, Scheduler
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.speculative import (
     Acceptance,
@@ -100,6 +100,9 @@ class EngineConfig:
     embeddings: bool = False  # serves embeddings too
     embedding_pooling: str | None = None  # mean / cls / last; unset: the GGUF's, else mean
     speculation: SpeculationConfig = SpeculationConfig(kind="none")
+    # "fair": priorities, then fair shares of the accounts, preempting to keep both; "fifo":
+    # first come, first served.
+    queue_policy: str = "fair"
 
 
 class Engine:
@@ -160,7 +163,8 @@ class Engine:
         self.kv_cache = KVCacheManager(
             LlamaSequenceMemory(self._ctx), self._slots, n_swa=model.n_swa,
             prompt_cache=PromptCache(config.prompt_cache_mib * 2**20), disk_cache=disk_cache, counters=self.stats)
-        self._scheduler = Scheduler(self._slots, FifoQueue(), batch_capacity=self._batch.capacity,
+        queue = FairShareQueue(config.slots) if config.queue_policy == "fair" else FifoQueue()
+        self._scheduler = Scheduler(self._slots, queue, batch_capacity=self._batch.capacity,
                                     speculation=config.speculation)
         self._outputs = OutputProcessor(self.kv_cache, model.eog_token_ids, self._answer_finished)
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
@@ -177,6 +181,7 @@ class Engine:
         self._inbox: list[WaitingRequest] = []
         self._aborts: set[tuple[str, int | None]] = set()
         self._unfinished: dict[str, int] = {}  # choices added and not yet finished, by request (guarded by _lock)
+        self._senders: dict[str, tuple[str, float]] = {}  # (account, weight) of those requests
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
 
@@ -222,16 +227,33 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
-            # Counted in places: each choice running or waiting takes one, and choices beyond
-            # the slot count run in later waves of the request's own places.
-            if self._places() + self._scheduler.places_of(request.n) > self.config.slots + self.config.max_queue:
-                raise CapacityError(self.retry_after_s())
+            self._check_capacity(request)
             self._unfinished[request.request_id] = self._unfinished.get(request.request_id, 0) + request.n
+            self._senders[request.request_id] = (request.account, request.weight)
             self._inbox.append(WaitingRequest(request, grammar, list(range(request.n))))
             self._lock.notify()
 
-    def _places(self) -> int:
-        return sum(self._scheduler.places_of(choices) for choices in self._unfinished.values())
+    def _check_capacity(self, request: GenerationRequest) -> None:
+        """Counted in places: each choice running or waiting takes one, and choices beyond the
+        slot count run in later waves of the request's own places. When all are taken, an
+        account under its share of them (by weight, among the accounts holding places) still
+        gets in, up to that share: the 429 goes to the accounts over theirs."""
+        capacity = self.config.slots + self.config.max_queue
+        needed = self._scheduler.places_of(request.n)
+        places: dict[str, int] = {}
+        weights: dict[str, float] = {request.account: request.weight}
+        for request_id, choices in self._unfinished.items():
+            account, weight = self._senders[request_id]
+            places[account] = places.get(account, 0) + self._scheduler.places_of(choices)
+            weights[account] = weight
+        if sum(places.values()) + needed <= capacity:
+            return
+        if self.config.queue_policy == "fair" and len(weights) > 1:
+            share = capacity * request.weight / sum(weights.values())
+            if places.get(request.account, 0) + needed <= share:
+                return
+            raise CapacityError(self.retry_after_s(), over_share=True)
+        raise CapacityError(self.retry_after_s())
 
     def retry_after_s(self) -> int:
         """When a slot is likely to be free for one more request, from the current decode rate."""
@@ -343,6 +365,7 @@ class Engine:
                         self._unfinished[request_id] = left
                     else:
                         self._unfinished.pop(request_id, None)
+                        self._senders.pop(request_id, None)
         try:
             self._output_handler(outputs)
         except Exception:
@@ -350,8 +373,10 @@ class Engine:
 
     def _abort(self, aborts: set[tuple[str, int | None]]) -> list[GenerationOutput]:
         whole = {request_id for request_id, index in aborts if index is None}
-        outputs = [GenerationOutput(request_id, index=index, finish_reason=FinishReason.ABORTED)
-                   for request_id, index in self._scheduler.drop_queued(whole, aborts)]
+        outputs = []
+        for item, index in self._scheduler.drop_queued(whole, aborts):
+            self._discard(item)
+            outputs.append(GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ABORTED))
         for job in [job for job in self._embed_jobs if job.request.request_id in whole]:
             self._embed_jobs.remove(job)
             outputs.append(GenerationOutput(job.request.request_id, finish_reason=FinishReason.ABORTED))
@@ -365,8 +390,14 @@ class Engine:
 
     def _admit(self) -> None:
         for admission in self._scheduler.admissions():
+            if isinstance(admission, Preemption):
+                self._preempt(admission.slot)
+                continue
             try:
-                self._start(admission)
+                if admission.item.paused is not None:
+                    self._resume(admission.item)
+                else:
+                    self._start(admission)
             except Exception as exc:  # a request that cannot start fails alone
                 item = admission.item
                 logger.exception("could not start request %s", item.request.request_id)
@@ -375,6 +406,7 @@ class Engine:
                         self._release(slot)
                 if item.pending:
                     self._scheduler.queue.remove(item)
+                self._discard(item)
                 self._unsent += [GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR,
                                                   error=str(exc)) for index in admission.choices + item.pending]
 
@@ -442,6 +474,38 @@ class Engine:
                 self._drafter.start(slot.seq_id, prompt)
         leader.followers = followers
 
+    def _preempt(self, slot: Slot) -> None:
+        """Pause the slot's choice: its KV goes to host RAM and it waits in the queue, first of
+        its account's, to resume exactly where it stopped."""
+        evicted = self.kv_cache.evict(slot)
+        if evicted is None:
+            return
+        request = slot.request
+        item = WaitingRequest(request, None, [slot.index], started=True,
+                              paused=Paused(*evicted, run=slot.detach(self._clock)))
+        self._scheduler.queue.requeue(item)
+        self.stats.preemptions += 1
+        logger.info("request %s choice %d preempted from slot %d (%d tokens to host RAM)",
+                    request.request_id, item.pending[0], slot.seq_id, len(evicted[1]))
+
+    def _resume(self, item: WaitingRequest) -> None:
+        paused = item.paused
+        slot = min(self._scheduler.free_slots(), key=lambda s: s.last_used)
+        item.paused = None  # the run is the slot's from here on (or fails with the request)
+        if not self.kv_cache.reinstate(slot, paused.state, paused.tokens, paused.namespace):
+            paused.run["sampler"].free()
+            raise EngineError("the preempted sequence could not be restored")
+        slot.attach(paused.run)
+        if slot.speculative:
+            self._drafter.start(slot.seq_id, [*slot.cache_tokens, slot.pending_token])
+
+    @staticmethod
+    def _discard(item: WaitingRequest) -> None:
+        """Free what a queued item holds that will not run (a preempted choice's sampler)."""
+        if item.paused is not None:
+            item.paused.run["sampler"].free()
+            item.paused = None
+
     def _sampler(self, request: GenerationRequest, grammar: CompiledGrammar | None, index: int) -> SamplerChain:
         sampling = request.sampling
         if index and sampling.seed is not None:  # choice i of a seeded request: seed + i
@@ -495,6 +559,7 @@ class Engine:
             slot.batch_indices = list(range(last - len(tokens) + 1, last + 1))
             slot.draft = tokens[1:]
             self.kv_cache.extend(slot, tokens)  # the drafts' KV is dropped again where rejected
+            self._scheduler.charge(slot, len(tokens))
             slot.pending_token = None
             in_batch.append(slot)
         decode_rows = batch.size
@@ -507,6 +572,7 @@ class Engine:
             last = batch.add(slot.seq_id, chunk, slot.prompt_cursor, logits=scored, logits_last=done)
             slot.chunk = (slot.prompt_cursor, last - len(chunk) + 1)
             self.kv_cache.extend(slot, chunk)
+            self._scheduler.charge(slot, len(chunk))
             slot.prompt_cursor += len(chunk)
             in_batch.append(slot)
             if done:
@@ -700,6 +766,8 @@ class Engine:
                    for item in [*self._scheduler.queue, *self._inbox] for index in item.pending]
         outputs += [GenerationOutput(job.request.request_id, finish_reason=FinishReason.ERROR, error=message)
                     for job in self._embed_jobs]
+        for item in self._scheduler.queue:
+            self._discard(item)
         self._scheduler.queue.clear()
         self._inbox.clear()
         self._embed_jobs.clear()

@@ -17,11 +17,14 @@ class PromptTooLongError(EngineError, ValueError):
 
 
 class CapacityError(EngineError):
-    """Every slot is busy and the wait queue is full (or the account's share of it is)."""
+    """Every slot is busy and the wait queue is full; with `over_share`, the account asking holds
+    its fair share of them while other accounts wait (they still get in)."""
 
-    def __init__(self, retry_after_s: int, message: str = "all slots are busy and the wait queue is full") -> None:
-        super().__init__(message)
+    def __init__(self, retry_after_s: int, *, over_share: bool = False) -> None:
+        super().__init__("this account holds its share of the slots and wait queue" if over_share
+                         else "all slots are busy and the wait queue is full")
         self.retry_after_s = retry_after_s
+        self.over_share = over_share
 
 
 class RequestTimedOut(EngineError):

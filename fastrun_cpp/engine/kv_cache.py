@@ -219,6 +219,23 @@ class KVCacheManager:
         for slot in self._slots:
             slot.cache_tokens = []
 
+    # ------------------------------------------------------------- preemption
+
+    def evict(self, slot: Slot) -> tuple[np.ndarray, list[int], str] | None:
+        """Take the slot's sequence out to host RAM: (its KV, its tokens, its namespace), the
+        slot left empty; None (and nothing changed) if llama.cpp cannot read it."""
+        state = self._memory.state(slot.seq_id) if slot.cache_tokens else None
+        if state is None:
+            return None
+        evicted = (state, list(slot.cache_tokens), slot.namespace)
+        self.clear(slot)
+        return evicted
+
+    def reinstate(self, slot: Slot, state: np.ndarray, tokens: list[int], namespace: str) -> bool:
+        """Put an evicted sequence into the slot (any slot: the KV is position-addressed)."""
+        self.save(slot)
+        return self._restore(slot, CachedSequence(tokens, state, namespace=namespace))
+
     # ---------------------------------------------------------------- saving
 
     def save(self, slot: Slot) -> None:

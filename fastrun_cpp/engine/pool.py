@@ -143,13 +143,14 @@ class EnginePool:
                                      running, waiting + replica.submitting, engine.config.slots))
         by_index = {replica.index: replica for replica in candidates}
         ranked = [by_index[index] for index in rank_replicas(loads)]
-        retry_after = None
+        retry_after, over_share = None, True
         for replica in ranked:
             replica.submitting += 1
             try:
                 return await replica.engine.submit(request)
             except CapacityError as exc:  # this one is full: the next may not be
                 retry_after = exc.retry_after_s if retry_after is None else min(retry_after, exc.retry_after_s)
+                over_share = over_share and exc.over_share
             finally:
                 replica.submitting -= 1
-        raise CapacityError(retry_after or 1)
+        raise CapacityError(retry_after or 1, over_share=over_share)

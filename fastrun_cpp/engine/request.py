@@ -35,6 +35,11 @@ class GenerationRequest:
     # Whose cached prompts it may reuse, and whose its own prompt becomes: a request never
     # reuses KV that another namespace computed ("": one namespace for all, as in open mode).
     cache_namespace: str = ""
+    # Who sent it, for fair shares of the slots ("": open mode, one account for all) and the
+    # account's weight in them; lower `priority` runs first and may preempt (as in vLLM).
+    account: str = ""
+    weight: float = 1.0
+    priority: int = 0
     embed_inputs: list[list[int]] | None = None  # kind "embed": the token lists to embed, in order
 
 

@@ -22,6 +22,13 @@ class Admission:
 
 
 @dataclass
+class Preemption:
+    """A running choice to pause (its KV to host RAM) so a waiting request gets its slot."""
+
+    slot: Slot
+
+
+@dataclass
 class StepPlan:
     decoding: list[Slot]  # slots with a sampled token to decode
     prefilling: list[Slot]  # slots with prompt left, oldest admission first
@@ -45,15 +52,22 @@ class Scheduler:
     def free_slots(self) -> list[Slot]:
         return [slot for slot in self._slots if slot.is_free]
 
-    def admissions(self) -> Iterator[Admission]:
+    def admissions(self) -> Iterator[Admission | Preemption]:
         """The waves that start now, in the queue's order. A request's first wave waits until
         that many slots are free (at most all of them); a later wave starts on whatever slots
-        are free and goes back to the queue with the choices still to run. The caller starts
-        each admission before asking for the next."""
+        are free and goes back to the queue with the choices still to run. Where the queue's
+        policy says a waiting request deserves a running one's slot, that one is preempted
+        first. The caller carries out each before asking for the next."""
+        preempted: set[int] = set()
         while (item := self.queue.peek()) is not None:
             free = len(self.free_slots())
             if free < (1 if item.started else self.places_of(len(item.pending))):
-                return
+                victim = self.queue.victim(item, [slot for slot in self._slots if not slot.is_free])
+                if victim is None or victim.seq_id in preempted:  # the caller could not free it
+                    return
+                preempted.add(victim.seq_id)
+                yield Preemption(victim)
+                continue
             self.queue.pop()
             first_wave, item.started = not item.started, True
             wave, item.pending = item.pending[:free], item.pending[free:]
@@ -61,16 +75,16 @@ class Scheduler:
                 self.queue.requeue(item)
             yield Admission(item, wave, first_wave)
 
-    def drop_queued(self, whole: set[str], choices: set[tuple[str, int | None]]) -> list[tuple[str, int]]:
+    def drop_queued(self, whole: set[str], choices: set[tuple[str, int | None]]) -> list[tuple[WaitingRequest, int]]:
         """Take out of the queue every waiting choice of the requests in `whole` and the
         (request, choice) pairs in `choices`; returns what was taken."""
-        dropped: list[tuple[str, int]] = []
+        dropped: list[tuple[WaitingRequest, int]] = []
         for item in self.queue:
             request_id = item.request.request_id
             stopped = item.pending if request_id in whole else [i for i in item.pending if (request_id, i) in choices]
             if not stopped:
                 continue
-            dropped += [(request_id, index) for index in stopped]
+            dropped += [(item, index) for index in stopped]
             item.pending = [index for index in item.pending if index not in stopped]
             if not item.pending:
                 self.queue.remove(item)
@@ -90,6 +104,10 @@ class Scheduler:
         """The slots that may draft, longest since their last draft first (fair turns when rows
         are scarce)."""
         return sorted((slot for slot in decoding if slot.speculative), key=lambda slot: slot.drafted_at)
+
+    def charge(self, slot: Slot, tokens: int) -> None:
+        """The slot's request had `tokens` evaluated in this step."""
+        self.queue.charge(slot.request, tokens)
 
     def drafted(self, slots: list[Slot]) -> None:
         """These slots drafted this step, verified or not: their turn ends."""

@@ -125,6 +125,26 @@ class Slot:
             text += self.stop_matcher.flush()
         return text, stopped
 
+    # What `detach` takes along: everything of the running choice but the KV (kept apart).
+    RUN_FIELDS = (
+        "request", "admitted_at", "prompt_cursor", "cached_tokens", "max_tokens", "n_generated", "index",
+        "pending_token", "draft", "batch_indices", "accepted_now", "chunk", "followers", "sampler", "speculative",
+        "drafted_at", "drafted_total", "accepted_total", "acceptance", "detokenizer", "stop_matcher",
+        "watched_text", "prompt_logprobs", "prompt_logprobs_sent",
+    )
+
+    def detach(self, clock: int) -> dict:
+        """Take the running choice out of the slot (to resume it elsewhere) and free the slot."""
+        run = {name: getattr(self, name) for name in self.RUN_FIELDS}
+        self.sampler = None  # it goes with the run
+        self.release(clock)
+        return run
+
+    def attach(self, run: dict) -> None:
+        """Resume a detached choice here (its KV restored into this slot's sequence first)."""
+        for name, value in run.items():
+            setattr(self, name, value)
+
     def release(self, clock: int) -> None:
         if self.sampler is not None:
             self.sampler.free()

@@ -40,6 +40,7 @@ class EngineStats:
     host_evictions: int = 0
     generated_tokens: int = 0
     decode_failures: int = 0
+    preemptions: int = 0  # running choices paused to host RAM for a more urgent or fairer one
     drafted_tokens: int = 0  # speculative drafts verified
     accepted_tokens: int = 0  # of which accepted
     steps: int = 0

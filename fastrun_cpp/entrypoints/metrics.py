@@ -93,6 +93,9 @@ class _EngineCollector(Collector):
         decoded = CounterMetricFamily(
             "fastrun_engine_generated_tokens", "Tokens the engines generated, with those of choices stopped early "
             "or abandoned by their client (fastrun_generation_tokens counts what was served).", labels=["model"])
+        preempted = CounterMetricFamily(
+            "fastrun_engine_preemptions", "Running choices paused to host RAM for a more urgent request or an "
+            "account under its fair share (each resumes where it stopped).", labels=["model"])
         drafted = CounterMetricFamily("fastrun_spec_draft_tokens", "Speculative draft tokens verified, and accepted.",
                                       labels=["model", "outcome"])
         grammar = HistogramMetricFamily(
@@ -113,6 +116,7 @@ class _EngineCollector(Collector):
             hits.add_metric([model_id, "disk"], stats.disk_hits)
             hits.add_metric([model_id, "miss"], stats.misses)
             decoded.add_metric([model_id], stats.generated_tokens)
+            preempted.add_metric([model_id], stats.preemptions)
             drafted.add_metric([model_id, "drafted"], stats.drafted_tokens)
             drafted.add_metric([model_id, "accepted"], stats.accepted_tokens)
             steps = stats.grammar_steps
@@ -134,5 +138,5 @@ class _EngineCollector(Collector):
         conversions = CounterMetricFamily("fastrun_schema_conversions_killed",
                                           "Schema-to-grammar conversions killed at their time limit.")
         conversions.add_metric([], killed)
-        yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, decoded, drafted,
-                    grammar, stuck, conversions)
+        yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, decoded, preempted,
+                    drafted, grammar, stuck, conversions)

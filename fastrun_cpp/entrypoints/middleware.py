@@ -16,6 +16,7 @@ from fastrun_cpp.entrypoints.auth import AuthError, Authenticator
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.errors import APIError, error_type_for
 from fastrun_cpp.entrypoints.request_context import RequestRecord, current_record, set_current_record
+from fastrun_cpp.entrypoints.tenancy import AccountGate, LimitReached, UsageRecorder
 
 access_log = logging.getLogger("fastrun_cpp.access")
 
@@ -34,9 +35,10 @@ class RequestContextMiddleware:
     writes one JSON access-log line and records request metrics when the response ends, and
     aborts any generation the request leaves running."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics | None) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics | None, usage: UsageRecorder | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.usage = usage
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,6 +78,8 @@ class RequestContextMiddleware:
             if record.account is not None and record.model is not None:
                 self.metrics.count_account(record.account, record.prompt_tokens, record.cached_tokens,
                                            record.completion_tokens)
+        if self.usage is not None and record.account is not None and record.model is not None:
+            self.usage.count(record.account, record.prompt_tokens, record.cached_tokens, record.completion_tokens)
         line = {
             "request_id": record.request_id,
             "method": scope.get("method"),
@@ -169,9 +173,11 @@ class APIKeyMiddleware:
     """Checks the bearer key of every /v1 request (and of the docs and metrics) before its body
     is read, so unauthenticated clients cannot make the server read (or parse) anything."""
 
-    def __init__(self, app: ASGIApp, authenticator: Authenticator, prefix: str = "/v1") -> None:
+    def __init__(self, app: ASGIApp, authenticator: Authenticator, gate: AccountGate | None = None,
+                 prefix: str = "/v1") -> None:
         self.app = app
         self.authenticator = authenticator
+        self.gate = gate or AccountGate()
         self.prefix = prefix
 
     def _keyed(self, path: str) -> bool:
@@ -199,9 +205,26 @@ class APIKeyMiddleware:
         if key is not None and path in ADMIN_PATHS and not key.admin:
             await APIError(403, NOT_ADMIN, "authentication_error").response(path)(scope, receive, send)
             return
-        if key is not None:
-            record = current_record()
-            if record is not None:
-                record.account = key.account
-                record.cache_namespace = key.cache_namespace
-        await self.app(scope, receive, send)
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        record = current_record()
+        if record is not None:
+            record.account = key.account
+            record.cache_namespace = key.cache_namespace
+            record.weight = key.weight
+            record.min_priority = key.min_priority
+        if scope.get("method") != "POST":  # listings and docs: outside the account's limits
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.gate.admit(key)
+        except LimitReached as exc:
+            await APIError(429, exc.message, "rate_limit_error", retry_after=exc.retry_after_s).response(path)(
+                scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            used = record.prompt_tokens + record.completion_tokens if record is not None else 0
+            self.gate.finish(key, used)

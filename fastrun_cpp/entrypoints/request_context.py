@@ -17,6 +17,8 @@ class RequestRecord:
     model: str | None = None
     account: str | None = None
     cache_namespace: str = ""  # whose cached prompts it may reuse ("": open mode, one namespace)
+    weight: float = 1.0  # the account's share of the slots
+    min_priority: int | None = None  # the most urgent priority the key may ask for (None: any)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

@@ -19,6 +19,7 @@ from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
 from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
+from fastrun_cpp.entrypoints.tenancy import UsageRecorder
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.middleware import (
     APIKeyMiddleware,
@@ -91,6 +92,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     registry = registry_from_settings(settings)
     models = OpenAIServingModels([ServedModel(id=config.id, config=config) for config in registry.models])
     grammar_builder = GrammarBuilder(settings.limits, hang_on_request=Faults.parse(settings.debug_faults).schema_hang)
+    usage = UsageRecorder(authenticator.store)
     metrics = ServerMetrics(models.engines, grammar_failures=lambda: (models.grammar_compiles_stuck(),
                                                                       grammar_builder.killed)) \
         if settings.metrics else None
@@ -122,6 +124,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
             for task in loading:
                 task.cancel()
             await authenticator.stop()
+            await asyncio.to_thread(usage.close)
             grammar_builder.close()
             body_checker.close()
             for served in models:
@@ -156,5 +159,5 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "X-Fastrun-Replica", "Retry-After"])
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, usage=usage)
     return app

@@ -185,6 +185,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     n: Annotated[int, Field(ge=1)] | None = None  # bounded by --limit-choices
     speculative: bool | None = None  # false: no speculative decoding for this request
+    # Lower runs first and may preempt (as vLLM); a key may be capped (`fastrun-cpp keys priority`).
+    priority: Annotated[int, Field(ge=-1_000_000, le=1_000_000)] | None = None
     # Accepted and ignored (README: OpenAI parameters).
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -283,6 +285,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the prompt comes back in front of each answer
     suffix: str | None = None  # fill in the middle, between prompt and suffix
     speculative: bool | None = None  # false: no speculative decoding for this request
+    # Lower runs first and may preempt (as vLLM); a key may be capped (`fastrun-cpp keys priority`).
+    priority: Annotated[int, Field(ge=-1_000_000, le=1_000_000)] | None = None
     user: str | None = None  # accepted and ignored
 
     @field_validator("prompt", mode="after")

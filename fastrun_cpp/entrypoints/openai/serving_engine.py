@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 # OpenAI clients send a field's JSON null to mean "the default".
 _SAMPLING_DEFAULTS = SamplingParams()
 AT_CAPACITY = "all backends for this model are at capacity"
+OVER_SHARE = ("this account holds its fair share of this model's slots and wait queue while other accounts "
+              "wait; retry later")
 R = TypeVar("R", bound=RequestModel)
 
 
@@ -240,12 +242,17 @@ class OpenAIServing:
         record = current_record()
         if record is not None:  # a tenant reuses only its own (or its group's) cached prompts
             request.cache_namespace = record.cache_namespace
+            request.account, request.weight = record.account or "", record.weight
+            if record.min_priority is not None and request.priority < record.min_priority:
+                raise bad_request(f"priority {request.priority} is more urgent than this key may ask for (at most "
+                                  f"{record.min_priority}: `fastrun-cpp keys priority`)")
         try:
             stream = await served.engine.submit(request)
         except GrammarError as exc:
             raise bad_request(f"the grammar: {exc}") from exc
         except CapacityError as exc:
-            raise APIError(429, AT_CAPACITY, "rate_limit_error", retry_after=exc.retry_after_s) from exc
+            raise APIError(429, OVER_SHARE if exc.over_share else AT_CAPACITY, "rate_limit_error",
+                           retry_after=exc.retry_after_s) from exc
         except PromptTooLongError as exc:
             raise bad_request(str(exc)) from exc
         except EngineError as exc:

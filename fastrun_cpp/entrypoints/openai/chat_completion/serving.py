@@ -171,6 +171,7 @@ class OpenAIServingChat(OpenAIServing):
             render_special_tokens=needs_special,
             n=request.n or 1,
             speculative=request.speculative is not False,
+            priority=request.priority or 0,
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:

@@ -52,6 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 n=best_of,
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
                 speculative=request.speculative is not False,
+                priority=request.priority or 0,
             )
             for index, prompt in enumerate(prompts)
         ]
