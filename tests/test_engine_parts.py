@@ -206,6 +206,13 @@ def test_preemption_goes_to_the_least_urgent_then_to_the_account_most_over_its_s
     slots[3].detach(clock=1)
     steps = list(sched.admissions())
     assert [type(step) for step in steps] == [Admission] and steps[0].item.request.account == "small"
+    assert steps[0].preempting is False  # the slot was freed by the caller, not in this round
+    occupy(slots[3], "small", [5] * 30, cursor=0, account="small")
+    slots[3].owed = True  # as the engine marks a request that preempted for its slot
+    plan = sched.plan()  # its prompt gets a step of its own: its first token waits for no one
+    assert plan.decoding == [] and plan.prefilling == [slots[3]] and plan.draft_rows == 0
+    slots[3].owed = False
+    assert len(sched.plan().decoding) == 3
     occupy(slots[3], "small", account="small")
     # The flood's next request is over its share (4 slots, 2 accounts: 2 each): no preemption.
     sched.queue.push(waiting("flood-more", account="flood"))
@@ -215,6 +222,20 @@ def test_preemption_goes_to_the_least_urgent_then_to_the_account_most_over_its_s
     sched.queue.push(waiting("urgent", account="flood", priority=-1))
     steps = list(sched.admissions())
     assert steps and isinstance(steps[0], Preemption) and steps[0].slot is slots[1]
+
+
+def test_an_admission_right_after_a_preemption_is_marked_as_preempting():
+    sched = Scheduler([Slot(i) for i in range(2)], FairShareQueue(slots=2), batch_capacity=64,
+                      speculation=SpeculationConfig(kind="none"))
+    for slot in sched._slots:
+        occupy(slot, f"flood{slot.seq_id}", account="flood", admitted_at=slot.seq_id)
+    sched.queue.push(waiting("small", account="small"))
+    steps = sched.admissions()
+    preemption = next(steps)
+    assert isinstance(preemption, Preemption)
+    preemption.slot.detach(clock=1)
+    admission = next(steps)
+    assert isinstance(admission, Admission) and admission.preempting
 
 
 def test_a_fifo_queue_never_preempts():

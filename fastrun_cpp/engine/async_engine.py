@@ -168,14 +168,15 @@ class AsyncEngine:
     def _adopt_from_disk(self, prompt: list[int], namespace: str) -> None:
         entry, length = self._disk.longest_prefix(prompt, namespace)
         usable = min(length, len(prompt) - 1)
-        if entry is not None and not self.engine.kv_cache.state_serves(len(entry.tokens), usable):
+        kv_cache = self.engine.kv_cache
+        if entry is not None and not kv_cache.state_serves(len(entry.tokens), usable):
             entry = None
-        if entry is None or usable < MIN_SAVED_TOKENS or usable <= self.engine.kv_cache.cached_prefix(prompt, namespace):
+        if entry is None or usable < MIN_SAVED_TOKENS or usable <= kv_cache.cached_prefix(prompt, namespace):
             self._disk.stats.misses += 1
             return
         state = self._disk.load(entry)
         if state is not None:
-            self.engine.kv_cache.adopt(CachedSequence(entry.tokens, state, source="disk", namespace=namespace))
+            kv_cache.adopt(CachedSequence(entry.tokens, state, source="disk", namespace=namespace))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

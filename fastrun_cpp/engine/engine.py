@@ -407,8 +407,9 @@ class Engine:
                 if item.pending:
                     self._scheduler.queue.remove(item)
                 self._discard(item)
-                self._unsent += [GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR,
-                                                  error=str(exc)) for index in admission.choices + item.pending]
+                self._unsent += [GenerationOutput(item.request.request_id, index=index,
+                                                  finish_reason=FinishReason.ERROR, error=str(exc))
+                                 for index in admission.choices + item.pending]
 
     def _embed_step(self) -> list[GenerationOutput]:
         """Embed the oldest job's next inputs, up to one batch of tokens (at least one input),
@@ -472,6 +473,7 @@ class Engine:
             )
             if speculative:
                 self._drafter.start(slot.seq_id, prompt)
+        leader.owed = admission.preempting
         leader.followers = followers
 
     def _preempt(self, slot: Slot) -> None:
@@ -578,6 +580,7 @@ class Engine:
             if done:
                 slot.batch_indices = [last]
                 slot.draft = []
+                slot.owed = False
                 finishing_prefill.append(slot)
 
         # Deliver the previous step's outputs only now: their readers then run on the event
@@ -585,7 +588,10 @@ class Engine:
         # with it for the GIL while the batch is built.
         self._flush()
         started = time.perf_counter()
-        status = INJECTED_FAILURE if self._faults.decode_fails() else llama.llama_decode(self._ctx, batch.as_llama_batch())
+        if self._faults.decode_fails():
+            status = INJECTED_FAILURE
+        else:
+            status = llama.llama_decode(self._ctx, batch.as_llama_batch())
         self.stats.decode_seconds += time.perf_counter() - started
         if status != 0:
             return self._decode_failed(status, in_batch)
@@ -762,7 +768,8 @@ class Engine:
         return self._fail_slots([s for s in self._slots if not s.is_free], message)
 
     def _fail_all(self, message: str) -> list[GenerationOutput]:
-        outputs = [GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
+        outputs = [GenerationOutput(item.request.request_id, index=index, finish_reason=FinishReason.ERROR,
+                                    error=message)
                    for item in [*self._scheduler.queue, *self._inbox] for index in item.pending]
         outputs += [GenerationOutput(job.request.request_id, finish_reason=FinishReason.ERROR, error=message)
                     for job in self._embed_jobs]

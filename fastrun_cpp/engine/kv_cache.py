@@ -118,7 +118,8 @@ class KVCacheManager:
         to the least recently used slot."""
         return max(free, key=lambda slot: (shared_prefix(slot, prompt, namespace), -slot.last_used))
 
-    def prepare(self, slot: Slot, prompt: list[int], namespace: str, *, every_position: bool = False) -> tuple[str, int]:
+    def prepare(self, slot: Slot, prompt: list[int], namespace: str, *,
+                every_position: bool = False) -> tuple[str, int]:
         """Make the slot's sequence hold the longest cached prefix of `prompt` that `namespace`
         may reuse (never the last prompt token: its logits are needed). Returns where it came
         from ("slot", "host", "disk" or "miss") and its length. With `every_position` (echo
@@ -248,7 +249,8 @@ class KVCacheManager:
             return
         tokens = list(tokens)
         self._counters.host_saves += 1
-        self._counters.host_evictions += self.prompt_cache.insert(CachedSequence(tokens, state, namespace=slot.namespace))
+        entry = CachedSequence(tokens, state, namespace=slot.namespace)
+        self._counters.host_evictions += self.prompt_cache.insert(entry)
         if self.disk_cache is not None:
             self.disk_cache.store(tokens, state, slot.namespace)  # written by the disk tier's own thread
 

@@ -19,6 +19,7 @@ class Admission:
     item: WaitingRequest
     choices: list[int]
     first_wave: bool  # the request's first: its prompt and cache use are counted once
+    preempting: bool = False  # it takes a slot another choice was preempted from
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Scheduler:
         policy says a waiting request deserves a running one's slot, that one is preempted
         first. The caller carries out each before asking for the next."""
         preempted: set[int] = set()
+        preempting = False
         while (item := self.queue.peek()) is not None:
             free = len(self.free_slots())
             if free < (1 if item.started else self.places_of(len(item.pending))):
@@ -66,6 +68,7 @@ class Scheduler:
                 if victim is None or victim.seq_id in preempted:  # the caller could not free it
                     return
                 preempted.add(victim.seq_id)
+                preempting = True
                 yield Preemption(victim)
                 continue
             self.queue.pop()
@@ -73,7 +76,8 @@ class Scheduler:
             wave, item.pending = item.pending[:free], item.pending[free:]
             if item.pending:
                 self.queue.requeue(item)
-            yield Admission(item, wave, first_wave)
+            yield Admission(item, wave, first_wave, preempting)
+            preempting = False
 
     def drop_queued(self, whole: set[str], choices: set[tuple[str, int | None]]) -> list[tuple[WaitingRequest, int]]:
         """Take out of the queue every waiting choice of the requests in `whole` and the
@@ -91,8 +95,13 @@ class Scheduler:
         return dropped
 
     def plan(self) -> StepPlan:
-        decoding = [slot for slot in self._slots if slot.is_decoding]
         prefilling = sorted((slot for slot in self._slots if slot.is_prefilling), key=lambda slot: slot.admitted_at)
+        # A request the policy preempted for is owed its turn now: its prompt (if it fits one
+        # batch) gets a step of its own, so its first token does not wait for everyone's.
+        owed = [slot for slot in prefilling if slot.owed]
+        if owed and sum(len(slot.request.prompt_tokens) - slot.prompt_cursor for slot in owed) <= self._capacity:
+            return StepPlan([], owed, 0)
+        decoding = [slot for slot in self._slots if slot.is_decoding]
         spec = self._speculation
         prompt_rows = sum(len(slot.request.prompt_tokens) - slot.prompt_cursor for slot in prefilling)
         # Drafts take only rows no prompt is waiting for: a prompt row is sure progress, a

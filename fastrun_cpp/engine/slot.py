@@ -39,6 +39,7 @@ class Slot:
         self.followers: list[Slot] = []  # the request's other choices, waiting for the prompt's KV
         self.sampler: SamplerChain | None = None
         self.speculative = False  # may drafts be proposed for it
+        self.owed = False  # it preempted another for its slot: its prompt runs in a step of its own
         self.drafted_at = 0  # step of its last draft: slots take turns when drafts are scarce
         self.drafted_total = 0
         self.accepted_total = 0
@@ -93,6 +94,7 @@ class Slot:
         self.followers = []
         self.sampler = sampler
         self.speculative = speculative
+        self.owed = False
         self.drafted_total = self.accepted_total = 0
         self.acceptance = Acceptance(acceptance)
         self.detokenizer = IncrementalDetokenizer(token_bytes)
@@ -129,6 +131,7 @@ class Slot:
     RUN_FIELDS = (
         "request", "admitted_at", "prompt_cursor", "cached_tokens", "max_tokens", "n_generated", "index",
         "pending_token", "draft", "batch_indices", "accepted_now", "chunk", "followers", "sampler", "speculative",
+        "owed",
         "drafted_at", "drafted_total", "accepted_total", "acceptance", "detokenizer", "stop_matcher",
         "watched_text", "prompt_logprobs", "prompt_logprobs_sent",
     )
