@@ -57,6 +57,13 @@ def test_metrics_move_as_requests_flow(server):
     assert metric(after, "fastrun_busy_slots", **model) == 0
     assert metric(after, "fastrun_queue_depth", **model) == 0
     assert metric(after, "fastrun_prompt_cache_lookups_total", outcome="slot", **model) >= 1
+    # Step time split between llama_decode and the host's own work: both grow, and the decode
+    # tokens the engine generated are counted.
+    for part in ("llama_decode", "host"):
+        assert metric(after, "fastrun_engine_step_seconds_total", part=part, **model) > \
+            metric(before, "fastrun_engine_step_seconds_total", part=part, **model)
+    assert metric(after, "fastrun_engine_generated_tokens_total", **model) > \
+        metric(before, "fastrun_engine_generated_tokens_total", **model)
 
 
 def test_busy_slots_gauge_during_a_stream(server):

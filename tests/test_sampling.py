@@ -112,3 +112,26 @@ def test_completions_accept_the_chat_sampling_extras(client, model):
         extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1},
     )
     assert response.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("shape", ["plain", "json_schema", "json_object"])
+def test_greedy_picks_what_llama_cpps_greedy_sampler_picks(client, model, shape):
+    """Plain greedy answers take the first highest logit in numpy; a zero logit_bias changes no
+    logit but sends the request through llama.cpp's sampler chain (bias, then greedy): the two
+    answers are the same token for token, constrained or not."""
+    extra = {}
+    if shape == "json_schema":
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "population": {"type": "integer"},
+                                             "rivers": {"type": "array", "items": {"type": "string"}}},
+            "required": ["name", "population", "rivers"], "additionalProperties": False}}}
+    elif shape == "json_object":
+        extra["response_format"] = {"type": "json_object"}
+    answers = []
+    for bias in (None, {"1000": 0}):
+        response = client.chat.completions.create(
+            model=model, messages=STORY + [{"role": "user", "content": "Answer in JSON."}] * (shape != "plain"),
+            max_tokens=96, temperature=0, logit_bias=bias, **extra)
+        answers.append((response.choices[0].message.content, response.usage.completion_tokens))
+    assert answers[0] == answers[1]
+    assert answers[0][1] > 10

@@ -30,6 +30,9 @@ class Constraint(Protocol):
         """Set every refused token's logit to -inf in the freshly filled candidates (their
         positions are the token ids); raises ConstraintError."""
 
+    def allowed(self) -> np.ndarray:
+        """Which tokens may come next: a boolean per token id; raises ConstraintError."""
+
     def accept(self, token: int) -> None:
         """Advance past `token` (one it allows)."""
 
@@ -54,11 +57,13 @@ class GuidanceConstraint:
         return self._matcher.validate_tokens([token]) == 1
 
     def mask(self, candidates: Candidates) -> None:
+        np.copyto(candidates.logits, -np.inf, where=~self.allowed())
+
+    def allowed(self) -> np.ndarray:
         bits = self._matcher.compute_bitmask()  # releases the GIL while it works
         if self._matcher.is_error():
             raise ConstraintError(self._matcher.get_error())
-        allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=self._n_vocab, bitorder="little")
-        np.copyto(candidates.logits, -np.inf, where=allowed == 0)
+        return np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=self._n_vocab, bitorder="little").view(bool)
 
     def accept(self, token: int) -> None:
         if token in self._end_tokens:
@@ -76,8 +81,9 @@ class GuidanceConstraint:
 class GbnfConstraint:
     engine = "llama.cpp"
 
-    def __init__(self, sampler: llama.llama_sampler_p) -> None:
+    def __init__(self, sampler: llama.llama_sampler_p, n_vocab: int) -> None:
         self._sampler = sampler  # owned
+        self._n_vocab = n_vocab
         self._one = np.zeros(1, dtype=Candidates.DTYPE)  # a one-token array for `allows`
         self._one_array = token_data_array(self._one)
 
@@ -91,6 +97,12 @@ class GbnfConstraint:
 
     def mask(self, candidates: Candidates) -> None:
         llama.llama_sampler_apply(self._sampler, candidates.array)
+
+    def allowed(self) -> np.ndarray:
+        candidates = Candidates(self._n_vocab)
+        candidates.fill((ctypes.c_float * self._n_vocab)())
+        self.mask(candidates)
+        return np.isfinite(candidates.logits)
 
     def accept(self, token: int) -> None:
         llama.llama_sampler_accept(self._sampler, token)

@@ -76,7 +76,7 @@ class CompiledGrammar:
     def instantiate(self) -> Constraint:
         if self._matcher is not None:
             return GuidanceConstraint(self._matcher.deep_copy(), self._n_vocab, self._end_tokens)
-        return GbnfConstraint(llama.llama_sampler_clone(self._prototype))
+        return GbnfConstraint(llama.llama_sampler_clone(self._prototype), self._n_vocab)
 
     def __del__(self) -> None:
         if getattr(self, "_prototype", None):

@@ -110,6 +110,12 @@ class SamplerChain:
         lazy_grammar=None,
     ) -> None:
         self.params = params
+        self._n_vocab = n_vocab
+        # Greedy with nothing to change the logits first: the pick is the first highest logit,
+        # which numpy finds in the logits where they lie, without the n_vocab-sized candidate
+        # array llama.cpp's greedy sampler builds first (same token: its greedy keeps the first
+        # maximum too).
+        self._argmax = params.greedy and not params.logit_bias and not params.penalized
         self._grammar = grammar  # a Constraint, owned here, kept out of the chain (see sample())
         self.grammar_ms = 0.0  # CPU time the grammar took in the last sample()
         self._lazy = lazy_grammar  # a grammar.LazyGrammar waiting for its trigger
@@ -177,6 +183,8 @@ class SamplerChain:
         """Pick and accept the next token from the logits at `batch_index` of the last decode;
         NO_TOKEN when a grammar allows none. Raises constraint.ConstraintError when the
         grammar cannot go on."""
+        if self._argmax:
+            return self._sample_argmax(llama.llama_get_logits_ith(ctx, batch_index))
         if self._grammar is None:
             return llama.llama_sampler_sample(self._chain, ctx, batch_index)
         # Most tokens the model picks unconstrained are allowed anyway. So: sample freely,
@@ -201,6 +209,22 @@ class SamplerChain:
         self._grammar.accept(token)
         self.grammar_ms = (grammar_s + time.thread_time() - started) * 1000
         llama.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _sample_argmax(self, logits_pointer) -> int:
+        logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
+        token = int(np.argmax(logits))
+        if self._grammar is None:
+            return token
+        started = time.thread_time()
+        if not self._grammar.allows(token):  # sample first, mask only when refused
+            allowed = self._grammar.allowed()
+            token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+            if not allowed[token]:
+                self.grammar_ms = (time.thread_time() - started) * 1000
+                return NO_TOKEN
+        self._grammar.accept(token)
+        self.grammar_ms = (time.thread_time() - started) * 1000
         return token
 
     def free(self) -> None:

@@ -93,6 +93,9 @@ class _EngineCollector(Collector):
         decoded = CounterMetricFamily(
             "fastrun_engine_generated_tokens", "Tokens the engines generated, with those of choices stopped early "
             "or abandoned by their client (fastrun_generation_tokens counts what was served).", labels=["model"])
+        step_time = CounterMetricFamily(
+            "fastrun_engine_step_seconds", "Wall time of the engines' decode steps: inside llama_decode, and the "
+            "host's own work around it (batch building, sampling, grammars, detokenizing).", labels=["model", "part"])
         preempted = CounterMetricFamily(
             "fastrun_engine_preemptions", "Running choices paused to host RAM for a more urgent request or an "
             "account under its fair share (each resumes where it stopped).", labels=["model"])
@@ -117,6 +120,8 @@ class _EngineCollector(Collector):
             hits.add_metric([model_id, "miss"], stats.misses)
             decoded.add_metric([model_id], stats.generated_tokens)
             preempted.add_metric([model_id], stats.preemptions)
+            step_time.add_metric([model_id, "llama_decode"], stats.decode_seconds)
+            step_time.add_metric([model_id, "host"], max(0.0, stats.step_seconds - stats.decode_seconds))
             drafted.add_metric([model_id, "drafted"], stats.drafted_tokens)
             drafted.add_metric([model_id, "accepted"], stats.accepted_tokens)
             steps = stats.grammar_steps
@@ -139,4 +144,4 @@ class _EngineCollector(Collector):
                                           "Schema-to-grammar conversions killed at their time limit.")
         conversions.add_metric([], killed)
         yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, decoded, preempted,
-                    drafted, grammar, stuck, conversions)
+                    step_time, drafted, grammar, stuck, conversions)

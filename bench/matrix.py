@@ -1,0 +1,223 @@
+"""The speed matrix: fastrun-cpp against llama.cpp's llama-server, cell by cell, in one run.
+
+    .venv/bin/python bench/matrix.py [--rounds 2] [--models smollm2,gemma] [--cells prefill,decode,...]
+
+llama-server comes from `bench/build_llama_server.sh` (the llama.cpp that llama-cpp-python
+vendors, built with this machine's CPU flags). Both servers get the same model file, threads,
+slots (16) and context per slot (5120). Servers alternate within every round.
+
+Cells (temperature 0, streamed chats, default fastrun-cpp settings: exact mode, n-gram drafts):
+- prefill-1k / -2k / -4.5k: time to first token of a cold prompt (a fresh nonce in front, so no
+  cache on either side holds any of it); ratio = llama-server's TTFT / ours;
+- decode c=1 / c=8 / c=16: aggregate tokens/s of that many 128-token answers at once;
+- json_schema c=1, required-tool c=1: per-stream decode tokens/s after the first token;
+- copy c=1, code-edit c=1: decode tokens/s of answers that restate the prompt (bench/speculative.py's
+  workloads); baseline llama-server with `--spec-type ngram-mod`, its best setting for them.
+
+Where the time goes, per cell: fastrun-cpp's share inside llama_decode, its host work (batch,
+sampling, grammars, detokenizing) per generated token, and grammar CPU per token, from /metrics;
+llama-server's own prompt-eval and eval ms per token (its `timings`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import speculative, structured  # noqa: E402
+from bench.harness import LLAMA_SERVER, MODEL_ID, ROOT, ServerSpec, running  # noqa: E402
+from fastrun_cpp.settings import physical_cores  # noqa: E402
+
+SLOTS = 16
+CTX = 5120
+PREFILL = {"prefill-1k": 1000, "prefill-2k": 2000, "prefill-4.5k": 4500}
+DECODE = {"decode c=1": 1, "decode c=8": 8, "decode c=16": 16}
+CONSTRAINED = {"json_schema c=1": structured.WORKLOADS["json_schema"],
+               "required-tool c=1": structured.WORKLOADS["required tool"]}
+COPIES = {"copy c=1": speculative.copy_body, "code-edit c=1": speculative.code_edit_body}
+GROUPS = {"prefill": PREFILL, "decode": DECODE, "constrained": CONSTRAINED, "copies": COPIES}
+LOWER_IS_BETTER = set(PREFILL)
+
+
+def cold_document(tokens: int) -> str:
+    """About `tokens` tokens (both tokenizers spend ~12 per sentence), unique from its first word."""
+    sentences = [f"Record {i}: crate {i * 37 % 101} left dock {i % 9} at {i % 24:02d}:{i * 7 % 60:02d} "
+                 f"for {['Oslo', 'Lima', 'Pune', 'Kobe', 'Tunis'][i % 5]}." for i in range(tokens // 12)]
+    return f"Batch {uuid.uuid4().hex}.\n" + "\n".join(sentences)
+
+
+async def chat(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
+    """One streamed chat: TTFT, tokens, per-stream decode rate, prompt tokens, llama-server timings."""
+    started = time.perf_counter()
+    first, tokens, prompt_tokens, timings = None, 0, 0, {}
+    async with client.stream("POST", f"{base_url}/chat/completions", json={
+            "model": MODEL_ID, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **body}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"])[:300])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+            timings = chunk.get("timings") or timings
+            if first is None and any(c.get("delta") for c in chunk.get("choices", [])):
+                first = time.perf_counter() - started
+    total = time.perf_counter() - started
+    decode = total - (first or 0.0)
+    return {"ttft": first or total, "tokens": tokens, "prompt_tokens": prompt_tokens, "total": total,
+            "decode_tok_s": (tokens - 1) / decode if decode > 0 and tokens > 1 else 0.0, "timings": timings}
+
+
+async def run_cell(base_url: str, group: str, cell: str) -> tuple[float, list[dict]]:
+    """The cell's figure (TTFT s, or tokens/s) and its answers."""
+    async with httpx.AsyncClient(timeout=900) as client:
+        if group == "prefill":
+            question = cold_document(PREFILL[cell]) + "\nWhich crate left last?"
+            body = {"messages": [{"role": "user", "content": question}], "max_tokens": 1}
+            answer = await chat(client, base_url, body)
+            return answer["ttft"], [answer]
+        if group == "decode":
+            count = DECODE[cell]
+            started = time.perf_counter()
+            answers = await asyncio.gather(*(chat(client, base_url, {**speculative.chat_body(i), "max_tokens": 128})
+                                             for i in range(count)))
+            return sum(a["tokens"] for a in answers) / (time.perf_counter() - started), list(answers)
+        if group == "constrained":
+            answer = await chat(client, base_url, {**structured.body(0, 128, CONSTRAINED[cell])})
+            return answer["decode_tok_s"], [answer]
+        answer = await chat(client, base_url, COPIES[cell](0))
+        return answer["decode_tok_s"], [answer]
+
+
+def engine_counters(base_url: str) -> dict[str, float]:
+    """fastrun-cpp's step time split and grammar time, from /metrics (all models summed)."""
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    counters = {"llama_decode": 0.0, "host": 0.0, "grammar": 0.0, "generated": 0.0}
+    for line in text.splitlines():
+        if line.startswith("fastrun_engine_step_seconds_total{"):
+            part = "llama_decode" if 'part="llama_decode"' in line else "host"
+            counters[part] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("fastrun_grammar_step_seconds_sum{"):
+            counters["grammar"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("fastrun_engine_generated_tokens_total{"):
+            counters["generated"] += float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def breakdown(name: str, before: dict | None, after: dict | None, answers: list[dict]) -> str:
+    if name == "fastrun-cpp" and before is not None and after is not None:
+        delta = {key: after[key] - before[key] for key in after}
+        steps = delta["llama_decode"] + delta["host"]
+        tokens = max(1.0, delta["generated"])
+        share = delta["llama_decode"] / steps if steps else 0.0
+        return (f"llama_decode {share:.0%} of steps; host {delta['host'] / tokens * 1000:.2f} ms/token; "
+                f"grammar {delta['grammar'] / tokens * 1000:.3f} ms/token")
+    timings = [a["timings"] for a in answers if a.get("timings")]
+    if not timings:
+        return ""
+    prompt = statistics.median(t.get("prompt_per_token_ms", 0.0) for t in timings)
+    predicted = statistics.median(t.get("predicted_per_token_ms", 0.0) for t in timings)
+    return f"prompt eval {prompt:.2f} ms/token; eval {predicted:.2f} ms/token"
+
+
+def groups_for(server: str, groups: list[str]) -> list[str]:
+    """Plain llama-server for every cell but the copies, its ngram-mod setting for those."""
+    if server == "fastrun-cpp":
+        return groups
+    if server == "llama-server":
+        return [group for group in groups if group != "copies"]
+    return [group for group in groups if group == "copies"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--models", default="smollm2,gemma")
+    parser.add_argument("--cells", default=",".join(GROUPS), help="groups of cells: " + ", ".join(GROUPS))
+    parser.add_argument("--threads", type=int, default=physical_cores())
+    parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "matrix.json")
+    args = parser.parse_args()
+    if not LLAMA_SERVER.exists():
+        print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
+        return 1
+    paths = structured.model_paths()
+    groups = [group for group in args.cells.split(",") if group]
+    env = {"FASTRUN_KEYS_DB": str(Path(tempfile.mkdtemp(prefix="fastrun-matrix-")) / "keys.sqlite3")}
+    servers = {
+        "fastrun-cpp": ServerSpec("fastrun-cpp", SLOTS, CTX, args.threads),
+        "llama-server": ServerSpec("llama-server", SLOTS, CTX, args.threads),
+        "llama-server ngram-mod": ServerSpec("llama-server", SLOTS, CTX, args.threads,
+                                             extra_args=("--spec-type", "ngram-mod"), label="llama-server-ngram-mod"),
+    }
+    results: dict[str, dict[str, dict[str, list[float]]]] = {}  # model -> cell -> server -> figures
+    notes: dict[str, dict[str, dict[str, str]]] = {}
+    for round_index in range(args.rounds):
+        for model in args.models.split(","):
+            order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
+            for name in order:
+                wanted = groups_for(name, groups)
+                if not wanted:
+                    continue
+                with running(servers[name], paths[model], env=env) as server:
+                    base = server.base_url
+                    asyncio.run(run_cell(base, "decode", "decode c=1"))  # warm-up
+                    for group in wanted:
+                        for cell in GROUPS[group]:
+                            before = engine_counters(base) if name == "fastrun-cpp" else None
+                            figure, answers = asyncio.run(run_cell(base, group, cell))
+                            after = engine_counters(base) if name == "fastrun-cpp" else None
+                            results.setdefault(model, {}).setdefault(cell, {}).setdefault(name, []).append(figure)
+                            notes.setdefault(model, {}).setdefault(cell, {})[name] = breakdown(name, before, after,
+                                                                                             answers)
+                            unit = "s TTFT" if cell in LOWER_IS_BETTER else "tok/s"
+                            prompt = f" ({answers[0]['prompt_tokens']} prompt tokens)" if group == "prefill" else ""
+                            print(f"round {round_index + 1} {model} {name:24} {cell:18} {figure:8.2f} {unit}{prompt}",
+                                  flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    print(f"\nbench/matrix.py, {time.strftime('%Y-%m-%d')}, commit {commit}, {platform.machine()}, {args.threads} "
+          f"threads, {SLOTS} slots x {CTX} ctx each, median of {args.rounds} rounds; ratio > 1: fastrun-cpp "
+          "ahead (baseline: llama-server, or llama-server --spec-type ngram-mod for copy cells)\n")
+    for model, cells in results.items():
+        print(f"### {model}\n")
+        print("| cell | fastrun-cpp | llama-server | ratio | fastrun-cpp time | llama-server time |")
+        print("|---|---|---|---|---|---|")
+        for cell, by_server in cells.items():
+            ours = statistics.median(by_server.get("fastrun-cpp", [0.0]))
+            base_name = "llama-server ngram-mod" if cell in COPIES else "llama-server"
+            theirs = statistics.median(by_server.get(base_name, [0.0]))
+            if cell in LOWER_IS_BETTER:
+                ratio = theirs / ours if ours else 0.0
+                shown = f"{ours:.2f} s | {theirs:.2f} s"
+            else:
+                ratio = ours / theirs if theirs else 0.0
+                shown = f"{ours:.1f} | {theirs:.1f}"
+            where = notes[model][cell]
+            print(f"| {cell} | {shown} | **{ratio:.2f}x** | {where.get('fastrun-cpp', '')} | "
+                  f"{where.get(base_name, '')} |")
+        print()
+    args.json.parent.mkdir(exist_ok=True)
+    args.json.write_text(json.dumps({"results": results, "notes": notes, "commit": commit}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
