@@ -53,9 +53,10 @@ LOWER_IS_BETTER = set(PREFILL)
 
 
 def cold_document(tokens: int) -> str:
-    """About `tokens` tokens (both tokenizers spend ~12 per sentence), unique from its first word."""
+    """About `tokens` tokens (SmolLM2's tokenizer spends ~26 per line, Gemma's about as many),
+    unique from its first word."""
     sentences = [f"Record {i}: crate {i * 37 % 101} left dock {i % 9} at {i % 24:02d}:{i * 7 % 60:02d} "
-                 f"for {['Oslo', 'Lima', 'Pune', 'Kobe', 'Tunis'][i % 5]}." for i in range(tokens // 12)]
+                 f"for {['Oslo', 'Lima', 'Pune', 'Kobe', 'Tunis'][i % 5]}." for i in range(tokens // 26)]
     return f"Batch {uuid.uuid4().hex}.\n" + "\n".join(sentences)
 
 
@@ -78,7 +79,9 @@ async def chat(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
                 tokens = chunk["usage"]["completion_tokens"]
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
             timings = chunk.get("timings") or timings
-            if first is None and any(c.get("delta") for c in chunk.get("choices", [])):
+            # The first generated text or call (a role-only delta comes before any token).
+            if first is None and any(value for c in chunk.get("choices", []) for key, value in
+                                     (c.get("delta") or {}).items() if key != "role"):
                 first = time.perf_counter() - started
     total = time.perf_counter() - started
     decode = total - (first or 0.0)
@@ -122,20 +125,27 @@ def engine_counters(base_url: str) -> dict[str, float]:
     return counters
 
 
-def breakdown(name: str, before: dict | None, after: dict | None, answers: list[dict]) -> str:
+def breakdown(name: str, prefill: bool, before: dict | None, after: dict | None, answers: list[dict]) -> str:
+    """Where the cell's time went: per prompt token in prefill cells, per generated token else."""
     if name == "fastrun-cpp" and before is not None and after is not None:
         delta = {key: after[key] - before[key] for key in after}
         steps = delta["llama_decode"] + delta["host"]
-        tokens = max(1.0, delta["generated"])
         share = delta["llama_decode"] / steps if steps else 0.0
+        if prefill:
+            tokens = max(1, sum(a["prompt_tokens"] for a in answers))
+            return (f"llama_decode {share:.0%} of steps, {delta['llama_decode'] / tokens * 1000:.2f} ms/prompt token; "
+                    f"host {delta['host'] / tokens * 1000:.3f} ms/prompt token")
+        tokens = max(1.0, delta["generated"])
         return (f"llama_decode {share:.0%} of steps; host {delta['host'] / tokens * 1000:.2f} ms/token; "
                 f"grammar {delta['grammar'] / tokens * 1000:.3f} ms/token")
     timings = [a["timings"] for a in answers if a.get("timings")]
     if not timings:
         return ""
     prompt = statistics.median(t.get("prompt_per_token_ms", 0.0) for t in timings)
+    if prefill:
+        return f"prompt eval {prompt:.2f} ms/prompt token"
     predicted = statistics.median(t.get("predicted_per_token_ms", 0.0) for t in timings)
-    return f"prompt eval {prompt:.2f} ms/token; eval {predicted:.2f} ms/token"
+    return f"eval {predicted:.2f} ms/token"
 
 
 def groups_for(server: str, groups: list[str]) -> list[str]:
@@ -185,8 +195,8 @@ def main() -> int:
                             figure, answers = asyncio.run(run_cell(base, group, cell))
                             after = engine_counters(base) if name == "fastrun-cpp" else None
                             results.setdefault(model, {}).setdefault(cell, {}).setdefault(name, []).append(figure)
-                            notes.setdefault(model, {}).setdefault(cell, {})[name] = breakdown(name, before, after,
-                                                                                             answers)
+                            notes.setdefault(model, {}).setdefault(cell, {})[name] = breakdown(name, group == "prefill",
+                                                                                             before, after, answers)
                             unit = "s TTFT" if cell in LOWER_IS_BETTER else "tok/s"
                             prompt = f" ({answers[0]['prompt_tokens']} prompt tokens)" if group == "prefill" else ""
                             print(f"round {round_index + 1} {model} {name:24} {cell:18} {figure:8.2f} {unit}{prompt}",

@@ -302,12 +302,22 @@ def holds_exactly_its_tokens(memory: FakeMemory, slots: list[Slot]) -> bool:
 
 def test_a_prompt_goes_to_the_slot_with_the_longest_prefix_it_may_reuse():
     kv, memory, slots = manager(3)
-    fill(kv, memory, slots[0], [1, 2, 3, 4])
-    fill(kv, memory, slots[1], [1, 2, 9])
+    document = list(range(100))
+    fill(kv, memory, slots[0], document[:80])
+    fill(kv, memory, slots[1], document[:40] + [7])
     slots[2].last_used = -1
-    assert kv.choose(slots, [1, 2, 3, 4, 5], "") is slots[0]
+    assert kv.choose(slots, document, "") is slots[0]
     # Another namespace may reuse nothing, so it gets the least recently used slot.
-    assert kv.choose(slots, [1, 2, 3, 4, 5], "tenant") is slots[2]
+    assert kv.choose(slots, document, "tenant") is slots[2]
+
+
+def test_a_few_shared_template_tokens_do_not_take_a_slot_holding_another_conversation():
+    kv, memory, slots = manager(2)
+    template = [9, 9, 9, 9, 9]
+    fill(kv, memory, slots[0], template + list(range(100, 400)))  # a long, unrelated conversation
+    slots[0].last_used, slots[1].last_used = 2, 1
+    assert kv.choose(slots, template + [7, 7, 7], "") is slots[1]  # the other slot: nothing to save or lose
+    assert kv.choose(slots, template + list(range(100, 200)) + [7], "") is slots[0]  # a real prefix wins
 
 
 def test_prepare_keeps_the_shared_prefix_but_never_the_last_prompt_token():

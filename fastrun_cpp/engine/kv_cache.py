@@ -115,8 +115,15 @@ class KVCacheManager:
 
     def choose(self, free: list[Slot], prompt: list[int], namespace: str) -> Slot:
         """The free slot for a prompt: the longest prefix it may reuse wins; ties and misses go
-        to the least recently used slot."""
-        return max(free, key=lambda slot: (shared_prefix(slot, prompt, namespace), -slot.last_used))
+        to the least recently used slot. A prefix shorter than MIN_SAVED_TOKENS (a chat
+        template's opening) counts as a miss: taking a slot for it would make the slot save its
+        whole sequence first, and lose it for the prompt it belongs to, to gain a few tokens."""
+
+        def reuse(slot: Slot) -> int:
+            length = shared_prefix(slot, prompt, namespace)
+            return length if length >= MIN_SAVED_TOKENS else 0
+
+        return max(free, key=lambda slot: (reuse(slot), -slot.last_used))
 
     def prepare(self, slot: Slot, prompt: list[int], namespace: str, *,
                 every_position: bool = False) -> tuple[str, int]:
