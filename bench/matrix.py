@@ -38,7 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import speculative, structured  # noqa: E402
-from bench.harness import LLAMA_SERVER, MODEL_ID, ROOT, ServerSpec, running  # noqa: E402
+from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, running  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 SLOTS = 16
@@ -60,53 +60,24 @@ def cold_document(tokens: int) -> str:
     return f"Batch {uuid.uuid4().hex}.\n" + "\n".join(sentences)
 
 
-async def chat(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
-    """One streamed chat: TTFT, tokens, per-stream decode rate, prompt tokens, llama-server timings."""
-    started = time.perf_counter()
-    first, tokens, prompt_tokens, timings = None, 0, 0, {}
-    async with client.stream("POST", f"{base_url}/chat/completions", json={
-            "model": MODEL_ID, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            **body}) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"])[:300])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
-            timings = chunk.get("timings") or timings
-            # The first generated text or call (a role-only delta comes before any token).
-            if first is None and any(value for c in chunk.get("choices", []) for key, value in
-                                     (c.get("delta") or {}).items() if key != "role"):
-                first = time.perf_counter() - started
-    total = time.perf_counter() - started
-    decode = total - (first or 0.0)
-    return {"ttft": first or total, "tokens": tokens, "prompt_tokens": prompt_tokens, "total": total,
-            "decode_tok_s": (tokens - 1) / decode if decode > 0 and tokens > 1 else 0.0, "timings": timings}
-
-
 async def run_cell(base_url: str, group: str, cell: str) -> tuple[float, list[dict]]:
     """The cell's figure (TTFT s, or tokens/s) and its answers."""
     async with httpx.AsyncClient(timeout=900) as client:
         if group == "prefill":
             question = cold_document(PREFILL[cell]) + "\nWhich crate left last?"
             body = {"messages": [{"role": "user", "content": question}], "max_tokens": 1}
-            answer = await chat(client, base_url, body)
+            answer = await speculative.answer(client, base_url, body)
             return answer["ttft"], [answer]
         if group == "decode":
             count = DECODE[cell]
             started = time.perf_counter()
-            answers = await asyncio.gather(*(chat(client, base_url, {**speculative.chat_body(i), "max_tokens": 128})
+            answers = await asyncio.gather(*(speculative.answer(client, base_url, speculative.chat_body(i))
                                              for i in range(count)))
             return sum(a["tokens"] for a in answers) / (time.perf_counter() - started), list(answers)
         if group == "constrained":
-            answer = await chat(client, base_url, {**structured.body(0, 128, CONSTRAINED[cell])})
+            answer = await speculative.answer(client, base_url, structured.body(0, 128, CONSTRAINED[cell]))
             return answer["decode_tok_s"], [answer]
-        answer = await chat(client, base_url, COPIES[cell](0))
+        answer = await speculative.answer(client, base_url, COPIES[cell](0))
         return answer["decode_tok_s"], [answer]
 
 

@@ -73,32 +73,44 @@ async def one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
     counted, not raised."""
     try:
         return await answer(client, base_url, body)
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, RuntimeError) as error:
         print(f"request failed: {error!r}", file=sys.stderr)
         return {"ttft": 0.0, "tokens": 0, "timings": {}, "decode_tok_s": 0.0, "failed": True}
 
 
 async def answer(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
+    """One streamed chat at temperature 0: time to the first generated text or call, tokens,
+    prompt tokens, per-stream decode rate and llama-server's own `timings`. Raises
+    httpx.HTTPStatusError (with the body) for an error status, RuntimeError for an error event."""
     started = time.perf_counter()
     first = None
-    tokens = 0
+    tokens = prompt_tokens = 0
     timings = {}
     async with client.stream("POST", f"{base_url}/chat/completions", json={
             "model": MODEL_ID, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             **body}) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise httpx.HTTPStatusError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}",
+                                        request=response.request, response=response)
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"])[:300])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
             timings = chunk.get("timings") or timings  # llama-server's own counters
-            if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            # A role-only delta comes before any token.
+            if first is None and any(value for c in chunk.get("choices", []) for key, value in
+                                     (c.get("delta") or {}).items() if key != "role"):
                 first = time.perf_counter() - started
     total = time.perf_counter() - started
     decode = total - (first or 0.0)
-    return {"ttft": first or 0.0, "tokens": tokens, "timings": timings,
+    # No token at all (an answer that ends at once): its first token is the end.
+    return {"ttft": total if first is None else first, "tokens": tokens, "prompt_tokens": prompt_tokens,
+            "timings": timings,
             "decode_tok_s": (tokens - 1) / decode if decode > 0 and tokens > 1 else 0.0, "failed": False}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS, KVCacheManager
+from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS, KVCacheManager, shared_prefix
 from fastrun_cpp.engine.prompt_cache import PromptCache
 from fastrun_cpp.engine.request import GenerationRequest
 from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, WaitingRequest
@@ -296,6 +296,11 @@ def fill(kv: KVCacheManager, memory: FakeMemory, slot: Slot, tokens: list[int], 
     memory.decode(slot)
 
 
+def prepare(kv: KVCacheManager, slot: Slot, prompt: list[int], namespace: str) -> tuple[str, int]:
+    """The manager's prepare, given what the slot holds of the prompt as `choose` reports it."""
+    return kv.prepare(slot, prompt, namespace, shared_prefix(slot, prompt, namespace))
+
+
 def holds_exactly_its_tokens(memory: FakeMemory, slots: list[Slot]) -> bool:
     return all(memory.sequences.get(slot.seq_id, []) == slot.cache_tokens for slot in slots)
 
@@ -306,9 +311,9 @@ def test_a_prompt_goes_to_the_slot_with_the_longest_prefix_it_may_reuse():
     fill(kv, memory, slots[0], document[:80])
     fill(kv, memory, slots[1], document[:40] + [7])
     slots[2].last_used = -1
-    assert kv.choose(slots, document, "") is slots[0]
+    assert kv.choose(slots, document, "") == (slots[0], 80)  # the slot, and the prefix it holds
     # Another namespace may reuse nothing, so it gets the least recently used slot.
-    assert kv.choose(slots, document, "tenant") is slots[2]
+    assert kv.choose(slots, document, "tenant")[0] is slots[2]
 
 
 def test_a_few_shared_template_tokens_do_not_take_a_slot_holding_another_conversation():
@@ -316,17 +321,17 @@ def test_a_few_shared_template_tokens_do_not_take_a_slot_holding_another_convers
     template = [9, 9, 9, 9, 9]
     fill(kv, memory, slots[0], template + list(range(100, 400)))  # a long, unrelated conversation
     slots[0].last_used, slots[1].last_used = 2, 1
-    assert kv.choose(slots, template + [7, 7, 7], "") is slots[1]  # the other slot: nothing to save or lose
-    assert kv.choose(slots, template + list(range(100, 200)) + [7], "") is slots[0]  # a real prefix wins
+    assert kv.choose(slots, template + [7, 7, 7], "")[0] is slots[1]  # the other slot: nothing to save or lose
+    assert kv.choose(slots, template + list(range(100, 200)) + [7], "")[0] is slots[0]  # a real prefix wins
 
 
 def test_prepare_keeps_the_shared_prefix_but_never_the_last_prompt_token():
     kv, memory, slots = manager(1)
     fill(kv, memory, slots[0], [1, 2, 3, 4, 5, 6])
-    assert kv.prepare(slots[0], [1, 2, 3, 9], "") == ("slot", 3)
+    assert prepare(kv, slots[0], [1, 2, 3, 9], "") == ("slot", 3)
     assert slots[0].cache_tokens == [1, 2, 3] and holds_exactly_its_tokens(memory, slots)
-    assert kv.prepare(slots[0], [1, 2, 3], "") == ("slot", 2)  # the whole prompt cached: its last is evaluated
-    assert kv.prepare(slots[0], [5, 5], "") == ("miss", 0)
+    assert prepare(kv, slots[0], [1, 2, 3], "") == ("slot", 2)  # the whole prompt cached: its last is evaluated
+    assert prepare(kv, slots[0], [5, 5], "") == ("miss", 0)
     assert slots[0].cache_tokens == [] and holds_exactly_its_tokens(memory, slots)
 
 
@@ -335,11 +340,11 @@ def test_another_namespace_reuses_nothing_from_any_tier():
     secret = list(range(100, 100 + 2 * MIN_SAVED_TOKENS))
     fill(kv, memory, slots[0], secret, namespace="account:a")
     assert kv.cached_prefix(secret, "account:b") == 0
-    assert kv.prepare(slots[0], secret + [1], "account:b") == ("miss", 0)  # the slot's KV is saved, not reused
+    assert prepare(kv, slots[0], secret + [1], "account:b") == ("miss", 0)  # the slot's KV is saved, not reused
     assert kv.cached_prefix(secret, "account:b") == 0
     assert kv.cached_prefix(secret, "account:a") == len(secret)  # from the host tier
     fill(kv, memory, slots[0], [7] * 40, namespace="account:b")
-    assert kv.prepare(slots[0], secret + [1], "account:a") == ("host", len(secret))
+    assert prepare(kv, slots[0], secret + [1], "account:a") == ("host", len(secret))
     assert slots[0].namespace == "account:a" and holds_exactly_its_tokens(memory, slots)
 
 
@@ -349,7 +354,7 @@ def test_a_longer_prefix_in_the_host_tier_is_restored_over_the_slots_own():
     fill(kv, memory, slots[0], long)
     kv.save(slots[0])
     fill(kv, memory, slots[0], long[:5] + [999] * 40)
-    source, reused = kv.prepare(slots[0], long + [1, 2], "")
+    source, reused = prepare(kv, slots[0], long + [1, 2], "")
     assert (source, reused) == ("host", len(long))
     assert slots[0].cache_tokens == long and holds_exactly_its_tokens(memory, slots)
 
@@ -368,10 +373,10 @@ def test_a_sliding_window_that_dropped_the_prefix_start_is_not_reused():
     memory = FakeMemory(n_swa_dropped=50)
     kv, memory, slots = manager(1, n_swa=16, memory=memory)
     fill(kv, memory, slots[0], list(range(60)))
-    assert kv.prepare(slots[0], list(range(60)) + [1], "") == ("miss", 0)
+    assert prepare(kv, slots[0], list(range(60)) + [1], "") == ("miss", 0)
     memory.dropped_positions = 0
     fill(kv, memory, slots[0], list(range(60)))
-    assert kv.prepare(slots[0], list(range(60)) + [1], "") == ("slot", 60)
+    assert prepare(kv, slots[0], list(range(60)) + [1], "") == ("slot", 60)
 
 
 @pytest.mark.parametrize("operation", ["truncate", "copy", "clear", "take_for_copy", "clear_all"])

@@ -91,6 +91,12 @@ class Usage:
     cached_tokens: int = 0
     completion_tokens: int = 0
 
+    def add(self, other: Usage) -> None:
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.completion_tokens += other.completion_tokens
+
 
 @dataclass(frozen=True)
 class AccountLimits:

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,6 +69,15 @@ _CACHE_TYPES = {
     "q4_0": llama.GGML_TYPE_Q4_0, "q4_1": llama.GGML_TYPE_Q4_1, "q5_0": llama.GGML_TYPE_Q5_0,
     "q5_1": llama.GGML_TYPE_Q5_1,
 }
+
+
+@dataclass
+class _Unfinished:
+    """A request's choices added and not yet finished, and who sent it (its share of places)."""
+
+    choices: int
+    account: str
+    weight: float
 
 
 @dataclass
@@ -180,8 +189,7 @@ class Engine:
         self._lock = threading.Condition()
         self._inbox: list[WaitingRequest] = []
         self._aborts: set[tuple[str, int | None]] = set()
-        self._unfinished: dict[str, int] = {}  # choices added and not yet finished, by request (guarded by _lock)
-        self._senders: dict[str, tuple[str, float]] = {}  # (account, weight) of those requests
+        self._unfinished: dict[str, _Unfinished] = {}  # by request id (guarded by _lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
 
@@ -228,8 +236,8 @@ class Engine:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
             self._check_capacity(request)
-            self._unfinished[request.request_id] = self._unfinished.get(request.request_id, 0) + request.n
-            self._senders[request.request_id] = (request.account, request.weight)
+            self._unfinished.setdefault(request.request_id,
+                                        _Unfinished(0, request.account, request.weight)).choices += request.n
             self._inbox.append(WaitingRequest(request, grammar, list(range(request.n))))
             self._lock.notify()
 
@@ -240,17 +248,16 @@ class Engine:
         gets in, up to that share: the 429 goes to the accounts over theirs."""
         capacity = self.config.slots + self.config.max_queue
         needed = self._scheduler.places_of(request.n)
-        places: dict[str, int] = {}
+        places: Counter[str] = Counter()
         weights: dict[str, float] = {request.account: request.weight}
-        for request_id, choices in self._unfinished.items():
-            account, weight = self._senders[request_id]
-            places[account] = places.get(account, 0) + self._scheduler.places_of(choices)
-            weights[account] = weight
+        for unfinished in self._unfinished.values():
+            places[unfinished.account] += self._scheduler.places_of(unfinished.choices)
+            weights[unfinished.account] = unfinished.weight
         if sum(places.values()) + needed <= capacity:
             return
         if self.config.queue_policy == "fair" and len(weights) > 1:
             share = capacity * request.weight / sum(weights.values())
-            if places.get(request.account, 0) + needed <= share:
+            if places[request.account] + needed <= share:
                 return
             raise CapacityError(self.retry_after_s(), over_share=True)
         raise CapacityError(self.retry_after_s())
@@ -265,7 +272,8 @@ class Engine:
         expected = self._throughput.tokens_per_answer
         remaining = sorted(max(1.0, min(slot.max_tokens, expected) - slot.n_generated) for slot in busy)
         with self._lock:
-            ahead = sum(self._unfinished.values()) - len(busy)  # waiting choices: each needs a slot first
+            # Waiting choices: each needs a slot first.
+            ahead = sum(unfinished.choices for unfinished in self._unfinished.values()) - len(busy)
         rounds, position = divmod(max(0, ahead), len(busy))
         seconds = (remaining[position] + rounds * expected) / per_slot
         return max(1, math.ceil(seconds))
@@ -360,12 +368,11 @@ class Engine:
         if finished:
             with self._lock:
                 for request_id in finished:
-                    left = self._unfinished.get(request_id, 0) - 1
-                    if left > 0:
-                        self._unfinished[request_id] = left
-                    else:
-                        self._unfinished.pop(request_id, None)
-                        self._senders.pop(request_id, None)
+                    unfinished = self._unfinished.get(request_id)
+                    if unfinished is not None:
+                        unfinished.choices -= 1
+                        if unfinished.choices <= 0:
+                            del self._unfinished[request_id]
         try:
             self._output_handler(outputs)
         except Exception:
@@ -446,8 +453,8 @@ class Engine:
         request, grammar, choices = admission.item.request, admission.item.grammar, admission.choices
         prompt, namespace = request.prompt_tokens, request.cache_namespace
         free = self._scheduler.free_slots()
-        leader = self.kv_cache.choose(free, prompt, namespace)
-        source, reused = self.kv_cache.prepare(leader, prompt, namespace,
+        leader, held = self.kv_cache.choose(free, prompt, namespace)
+        source, reused = self.kv_cache.prepare(leader, prompt, namespace, held,
                                                every_position=request.prompt_logprobs is not None)
         if admission.first_wave:  # later waves are the same request: counted once
             self._count(request, leader, source, reused)
@@ -680,9 +687,8 @@ class Engine:
             self._drafter.verified(slot.seq_id, drafted, accepted)
             # Only the pending token and the accepted drafts are this sequence's now.
             self.kv_cache.truncate(slot, len(slot.cache_tokens) - drafted + accepted)
-        speculative = slot.speculative
         output = self._outputs.accept(slot, emitted, logprobs)
-        if speculative and not output.finished:
+        if slot.speculative and not output.finished:
             self._drafter.accept(slot.seq_id, output.token_ids)
         return output
 

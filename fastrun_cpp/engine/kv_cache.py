@@ -113,31 +113,35 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ admission
 
-    def choose(self, free: list[Slot], prompt: list[int], namespace: str) -> Slot:
-        """The free slot for a prompt: the longest prefix it may reuse wins; ties and misses go
-        to the least recently used slot. A prefix shorter than MIN_SAVED_TOKENS (a chat
-        template's opening) counts as a miss: taking a slot for it would make the slot save its
-        whole sequence first, and lose it for the prompt it belongs to, to gain a few tokens."""
+    def choose(self, free: list[Slot], prompt: list[int], namespace: str) -> tuple[Slot, int]:
+        """The free slot for a prompt, and the prefix of it the slot holds (for `prepare`): the
+        longest prefix it may reuse wins; ties and misses go to the least recently used slot. A
+        prefix shorter than MIN_SAVED_TOKENS (a chat template's opening) counts as a miss:
+        taking a slot for it would make the slot save its whole sequence first, and lose it for
+        the prompt it belongs to, to gain a few tokens."""
+        held = {slot.seq_id: shared_prefix(slot, prompt, namespace) for slot in free}
 
-        def reuse(slot: Slot) -> int:
-            length = shared_prefix(slot, prompt, namespace)
-            return length if length >= MIN_SAVED_TOKENS else 0
+        def rank(slot: Slot) -> tuple[int, int]:
+            length = held[slot.seq_id]
+            return (length if length >= MIN_SAVED_TOKENS else 0), -slot.last_used
 
-        return max(free, key=lambda slot: (reuse(slot), -slot.last_used))
+        slot = max(free, key=rank)
+        return slot, held[slot.seq_id]
 
-    def prepare(self, slot: Slot, prompt: list[int], namespace: str, *,
+    def prepare(self, slot: Slot, prompt: list[int], namespace: str, held: int, *,
                 every_position: bool = False) -> tuple[str, int]:
-        """Make the slot's sequence hold the longest cached prefix of `prompt` that `namespace`
-        may reuse (never the last prompt token: its logits are needed). Returns where it came
-        from ("slot", "host", "disk" or "miss") and its length. With `every_position` (echo
-        with logprobs) nothing is reused: every prompt position's logits are needed."""
+        """Make the slot's sequence, which holds the first `held` tokens of `prompt` that
+        `namespace` may reuse (from `choose`), hold the longest cached prefix of it there is
+        (never the last prompt token: its logits are needed). Returns where it came from
+        ("slot", "host", "disk" or "miss") and its length. With `every_position` (echo with
+        logprobs) nothing is reused: every prompt position's logits are needed."""
         if every_position:
-            self._save_if_unrelated(slot, prompt, namespace)
+            self._save_if_unrelated(slot, held)
             self.clear(slot)
             slot.namespace = namespace
             return "miss", 0
-        source = self._load_prefix(slot, prompt, namespace)
-        reused = self._keep_prefix(slot, prompt, namespace)
+        source, held = self._load_prefix(slot, prompt, namespace, held)
+        reused = self._keep_prefix(slot, min(held, len(prompt) - 1))
         slot.namespace = namespace
         return (source if reused else "miss"), reused
 
@@ -148,10 +152,10 @@ class KVCacheManager:
         self.clear(slot)
         slot.namespace = namespace
 
-    def _load_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> str:
-        """Restore a longer prefix from the host tier than the slot holds, if there is one;
-        otherwise keep the slot's own. What the slot is about to lose is saved first."""
-        in_slot = shared_prefix(slot, prompt, namespace)
+    def _load_prefix(self, slot: Slot, prompt: list[int], namespace: str, in_slot: int) -> tuple[str, int]:
+        """Restore a longer prefix from the host tier than the `in_slot` tokens the slot holds,
+        if there is one; otherwise keep the slot's own. What the slot is about to lose is saved
+        first. Returns where the prefix comes from and its length."""
         entry, in_host = self.prompt_cache.longest_prefix(prompt, namespace)
         if entry is not None and not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
             entry = None
@@ -160,14 +164,13 @@ class KVCacheManager:
             self.prompt_cache.touch(entry)
             self.save(slot)
             source, entry.source = entry.source, "host"  # from now on it is served from RAM
-            return source if self._restore(slot, entry) else "slot"
-        self._save_if_unrelated(slot, prompt, namespace)
-        return "slot"
+            return (source, in_host) if self._restore(slot, entry) else ("slot", 0)
+        self._save_if_unrelated(slot, in_slot)
+        return "slot", in_slot
 
-    def _keep_prefix(self, slot: Slot, prompt: list[int], namespace: str) -> int:
-        """Drop the slot's KV past the prefix `namespace` may reuse of `prompt`; return its
-        length."""
-        reused = min(shared_prefix(slot, prompt, namespace), len(prompt) - 1)
+    def _keep_prefix(self, slot: Slot, reused: int) -> int:
+        """Drop the slot's KV past its first `reused` tokens (a prefix of the prompt); return
+        the length kept."""
         if reused > 0 and self._n_swa > 0:
             # A sliding-window cache may have dropped positions the reused prefix still needs.
             if self._memory.first_position(slot.seq_id) > max(0, reused - self._n_swa):
@@ -175,12 +178,11 @@ class KVCacheManager:
         self.truncate(slot, reused)
         return len(slot.cache_tokens)
 
-    def _save_if_unrelated(self, slot: Slot, prompt: list[int], namespace: str) -> None:
-        """Save the slot's sequence when it goes to a different conversation (it would lose more
-        than it keeps). A related prompt - the same long system prompt, the next turn - keeps
-        most of it, and copying the whole sequence out for a short tail would cost the request
-        more time than a later hit on that tail could save."""
-        kept = shared_prefix(slot, prompt, namespace)
+    def _save_if_unrelated(self, slot: Slot, kept: int) -> None:
+        """Save the slot's sequence when it goes to a different conversation: it keeps `kept`
+        tokens and would lose more than that. A related prompt - the same long system prompt,
+        the next turn - keeps most of it, and copying the whole sequence out for a short tail
+        would cost the request more time than a later hit on that tail could save."""
         lost = len(slot.cache_tokens) - kept
         if lost >= MIN_SAVED_TOKENS and lost > kept:
             self.save(slot)

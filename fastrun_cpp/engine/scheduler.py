@@ -99,11 +99,11 @@ class Scheduler:
         # A request the policy preempted for is owed its turn now: its prompt (if it fits one
         # batch) gets a step of its own, so its first token does not wait for everyone's.
         owed = [slot for slot in prefilling if slot.owed]
-        if owed and sum(len(slot.request.prompt_tokens) - slot.prompt_cursor for slot in owed) <= self._capacity:
+        if owed and sum(slot.prompt_left for slot in owed) <= self._capacity:
             return StepPlan([], owed, 0)
         decoding = [slot for slot in self._slots if slot.is_decoding]
         spec = self._speculation
-        prompt_rows = sum(len(slot.request.prompt_tokens) - slot.prompt_cursor for slot in prefilling)
+        prompt_rows = sum(slot.prompt_left for slot in prefilling)
         # Drafts take only rows no prompt is waiting for: a prompt row is sure progress, a
         # drafted one a guess; under load speculation yields to batching and prefill alike.
         rows = min(spec.batch_rows - len(decoding), self._capacity - len(decoding) - prompt_rows)
@@ -131,7 +131,7 @@ class Scheduler:
         for slot in prefilling:
             if free_rows == 0:
                 break
-            length = min(free_rows, len(slot.request.prompt_tokens) - slot.prompt_cursor)
+            length = min(free_rows, slot.prompt_left)
             chunks.append((slot, length))
             free_rows -= length
         return chunks

@@ -55,8 +55,13 @@ class Slot:
         return self.request is None
 
     @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not evaluated yet."""
+        return len(self.request.prompt_tokens) - self.prompt_cursor if self.request is not None else 0
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.request is not None and self.prompt_cursor < len(self.request.prompt_tokens)
+        return self.prompt_left > 0
 
     @property
     def is_decoding(self) -> bool:
@@ -131,8 +136,7 @@ class Slot:
     RUN_FIELDS = (
         "request", "admitted_at", "prompt_cursor", "cached_tokens", "max_tokens", "n_generated", "index",
         "pending_token", "draft", "batch_indices", "accepted_now", "chunk", "followers", "sampler", "speculative",
-        "owed",
-        "drafted_at", "drafted_total", "accepted_total", "acceptance", "detokenizer", "stop_matcher",
+        "owed", "drafted_at", "drafted_total", "accepted_total", "acceptance", "detokenizer", "stop_matcher",
         "watched_text", "prompt_logprobs", "prompt_logprobs_sent",
     )
 
@@ -164,4 +168,3 @@ class Slot:
         self.chunk = None
         self.followers = []
         self.last_used = clock
-

@@ -105,11 +105,8 @@ class UsageRecorder:
     def count(self, account: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None:
         hour = int(time.time()) // 3600 * 3600
         with self._lock:
-            usage = self._pending.setdefault((account, hour), Usage())
-            usage.requests += 1
-            usage.prompt_tokens += prompt_tokens
-            usage.cached_tokens += cached_tokens
-            usage.completion_tokens += completion_tokens
+            self._pending.setdefault((account, hour), Usage()).add(
+                Usage(1, prompt_tokens, cached_tokens, completion_tokens))
 
     def _run(self) -> None:
         while not self._stop.wait(self._flush_s):
@@ -126,9 +123,7 @@ class UsageRecorder:
             logger.warning("usage could not be written to the key store: %s", exc)
             with self._lock:
                 for key, usage in pending.items():
-                    merged = self._pending.setdefault(key, Usage())
-                    for field in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens"):
-                        setattr(merged, field, getattr(merged, field) + getattr(usage, field))
+                    self._pending.setdefault(key, Usage()).add(usage)
 
     def close(self) -> None:
         self._stop.set()
