@@ -11,8 +11,13 @@ Cells (temperature 0, streamed chats, default fastrun-cpp settings: exact mode, 
   cache on either side holds any of it); ratio = llama-server's TTFT / ours;
 - decode c=1 / c=8 / c=16: aggregate tokens/s of that many 128-token answers at once;
 - json_schema c=1, required-tool c=1: per-stream decode tokens/s after the first token;
-- copy c=1, code-edit c=1: decode tokens/s of answers that restate the prompt (bench/speculative.py's
-  workloads); baseline llama-server with `--spec-type ngram-mod`, its best setting for them.
+- copy c=1, records c=1, code-edit c=1: decode tokens/s of answers that restate the prompt
+  (bench/speculative.py's workloads: a passage, a list of similar records, a file with one name
+  changed); baseline llama-server with `--spec-type ngram-mod`, its best setting for them.
+
+Models: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, and `tiny` (fastrun_cpp/tiny_model.py: 2 layers,
+64 wide, random weights, SmolLM2's tokenizer; prefill and decode cells only), whose cells measure
+each server's own per-token overhead rather than the model.
 
 Where the time goes, per cell: fastrun-cpp's share inside llama_decode, its host work (batch,
 sampling, grammars, detokenizing) per generated token, and grammar CPU per token, from /metrics;
@@ -47,9 +52,14 @@ PREFILL = {"prefill-1k": 1000, "prefill-2k": 2000, "prefill-4.5k": 4500}
 DECODE = {"decode c=1": 1, "decode c=8": 8, "decode c=16": 16}
 CONSTRAINED = {"json_schema c=1": structured.WORKLOADS["json_schema"],
                "required-tool c=1": structured.WORKLOADS["required tool"]}
-COPIES = {"copy c=1": speculative.copy_body, "code-edit c=1": speculative.code_edit_body}
+COPIES = {"copy c=1": speculative.copy_body, "records c=1": speculative.records_body,
+          "code-edit c=1": speculative.code_edit_body}
 GROUPS = {"prefill": PREFILL, "decode": DECODE, "constrained": CONSTRAINED, "copies": COPIES}
 LOWER_IS_BETTER = set(PREFILL)
+# The tiny random model answers nonsense at almost no cost per token: what is left is each
+# server's own work per token, as a fast GPU would leave it visible. Only its speed cells mean
+# anything.
+TINY_GROUPS = {"prefill", "decode"}
 
 
 def cold_document(tokens: int) -> str:
@@ -119,6 +129,13 @@ def breakdown(name: str, prefill: bool, before: dict | None, after: dict | None,
     return f"eval {predicted:.2f} ms/token"
 
 
+def tiny_model(like: Path) -> Path:
+    from fastrun_cpp.tiny_model import write_tiny_model
+
+    path = ROOT / ".bench" / "tiny.gguf"
+    return path if path.exists() else write_tiny_model(path, like)
+
+
 def groups_for(server: str, groups: list[str]) -> list[str]:
     """Plain llama-server for every cell but the copies, its ngram-mod setting for those."""
     if server == "fastrun-cpp":
@@ -131,19 +148,21 @@ def groups_for(server: str, groups: list[str]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--models", default="smollm2,gemma")
+    parser.add_argument("--models", default="smollm2,gemma,tiny")
     parser.add_argument("--cells", default=",".join(GROUPS), help="groups of cells: " + ", ".join(GROUPS))
     parser.add_argument("--threads", type=int, default=physical_cores())
+    parser.add_argument("--fastrun-args", default="", help="more fastrun-cpp flags, e.g. '--spec-draft-max 16'")
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "matrix.json")
     args = parser.parse_args()
     if not LLAMA_SERVER.exists():
         print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
         return 1
     paths = structured.model_paths()
+    paths["tiny"] = tiny_model(paths["smollm2"])
     groups = [group for group in args.cells.split(",") if group]
     env = {"FASTRUN_KEYS_DB": str(Path(tempfile.mkdtemp(prefix="fastrun-matrix-")) / "keys.sqlite3")}
     servers = {
-        "fastrun-cpp": ServerSpec("fastrun-cpp", SLOTS, CTX, args.threads),
+        "fastrun-cpp": ServerSpec("fastrun-cpp", SLOTS, CTX, args.threads, extra_args=tuple(args.fastrun_args.split())),
         "llama-server": ServerSpec("llama-server", SLOTS, CTX, args.threads),
         "llama-server ngram-mod": ServerSpec("llama-server", SLOTS, CTX, args.threads,
                                              extra_args=("--spec-type", "ngram-mod"), label="llama-server-ngram-mod"),
@@ -154,7 +173,7 @@ def main() -> int:
         for model in args.models.split(","):
             order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
             for name in order:
-                wanted = groups_for(name, groups)
+                wanted = [group for group in groups_for(name, groups) if model != "tiny" or group in TINY_GROUPS]
                 if not wanted:
                     continue
                 with running(servers[name], paths[model], env=env) as server:

@@ -4,7 +4,8 @@ llama.cpp's llama-server plain and with `--spec-type ngram-mod`.
     python bench/speculative.py [--rounds 2] [--out bench/results]
 
 Workloads (temperature 0, streamed): `copy` (the answer repeats a ~1k-token passage of the
-prompt, 256 tokens), `code-edit` (a ~900-token file returned with one name changed), `chat`
+prompt, 256 tokens), `records` (the answer restates a ~1k-token list of similar records: one
+template, values that recur), `code-edit` (a ~900-token file returned with one name changed), `chat`
 (ordinary short questions, 128 tokens). Each at concurrency 1 and 8; servers alternate order
 every round. Reports tok/s (at c=1 one stream's decode speed after its first token; at c=8
 aggregate tokens over wall time), TTFT p50, the draft acceptance rate, failed requests (a
@@ -44,6 +45,27 @@ def code_file(seed: int) -> str:
     return f"import math\n\n{functions}\n"
 
 
+FIRST_NAMES = ["Alice", "Bruno", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ivo", "Jun", "Kemal"]
+LAST_NAMES = ["Moreno", "Novak", "Okafor", "Petrov", "Quist", "Rossi", "Sato", "Tran", "Ueda"]
+CITIES = ["Lyon", "Oslo", "Lima", "Pune", "Kobe", "Tunis", "Graz"]
+STATUSES = ["active", "paused", "closed"]
+
+
+def records(seed: int) -> str:
+    """~1k tokens of similar records: one template, values that recur in other records."""
+    return "\n".join(
+        f"- id: {1000 + (i * 37 + seed) % 9000}, name: {FIRST_NAMES[i % 11]} {LAST_NAMES[i * 5 % 9]}, "
+        f"city: {CITIES[i * 3 % 7]}, balance: {(i * 7919 + seed) % 10000 / 100:.2f}, status: {STATUSES[i % 3]}"
+        for i in range(30))
+
+
+def records_body(index: int) -> dict:
+    text = records(index)
+    return {"messages": [{"role": "user", "content": f"Accounts:\n{text}\n\nRestate the list of accounts above "
+                                                        "exactly, one per line, in the same order."}],
+            "max_tokens": 256}
+
+
 def copy_body(index: int) -> dict:
     text = passage(index)
     return {"messages": [{"role": "user", "content": f"Here is a passage:\n\n{text}\n\nCopy the passage exactly, "
@@ -65,7 +87,7 @@ def chat_body(index: int) -> dict:
             "max_tokens": 128}
 
 
-WORKLOADS = {"copy": copy_body, "code-edit": code_edit_body, "chat": chat_body}
+WORKLOADS = {"copy": copy_body, "records": records_body, "code-edit": code_edit_body, "chat": chat_body}
 
 
 async def one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:

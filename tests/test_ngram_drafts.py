@@ -43,6 +43,32 @@ def test_a_template_with_different_values_drafts_up_to_the_value():
     assert drafts.propose(8) == template[3:]  # the rest of the template, not a value after it
 
 
+def record(i: int) -> list[int]:
+    """An id, a template longer than a match is compared, and a value other records share."""
+    return [50, 300 + i, *range(10, 45), 200 + i % 3, 16]
+
+
+RECORDS = [token for i in range(20) for token in record(i)]
+
+
+def test_a_copy_of_one_record_drafts_through_its_values():
+    # At a value every record's match is as long, so their votes disagree there; the answer,
+    # though, is restating record 5, found by its id.
+    drafts = drafter(RECORDS, [*record(4), 50, 305, 10, 11])
+    first = drafts.propose(8)
+    assert first and first == list(range(12, 12 + len(first)))
+    drafts.verified(len(first), len(first))
+    drafts.accept(list(range(12, 45)))
+    assert drafts.propose(8) == [202, 16, 50, 306, 10, 11, 12, 13]  # record 5's value, then record 6
+
+
+def test_a_token_that_differs_from_the_copy_ends_it():
+    drafts = drafter(RECORDS, [*record(4), 50, 305, 10, 11])
+    assert drafts.propose(8)
+    drafts.accept([12, 13, 999])  # the answer leaves record 5
+    assert drafts.propose(8) == []  # looked up again: 999 is nowhere before
+
+
 def test_short_or_missing_matches_draft_nothing():
     prompt = [5, 6, 7, 8, 1, 2, 3, 40, 41, 42, 43]
     assert drafter(prompt, [9, 1, 2, 3]).propose(8) == []  # a 3-token match only

@@ -177,24 +177,38 @@ class NgramDrafter:
     template that recurs with different values ("wick number 7", "wick number 13") drafts up to
     the value and not past it. Nothing is drafted from a match shorter than `match_min`, and a
     draft is no longer than twice its match. The context is the request's prompt and everything
-    accepted since."""
+    accepted since.
+
+    Once the best match is one place alone, that place is the copy's source: the context is
+    taken to be walking through it, and later drafts continue from the token after it, through
+    the values where the candidates would disagree ("wick number 7" of record 4, since the
+    answer is restating record 4), for as long as the context keeps equal to it. A token that
+    differs ends the copy, and drafts are looked up again."""
 
     def __init__(self, config: SpeculationConfig, prompt: list[int]) -> None:
         self._config = config
         self._tokens = list(prompt)
         self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> where its occurrences end
         self._indexed = 0  # n-grams ending at or before this position are indexed
+        self._source: int | None = None  # the copy being followed: the context's next token is expected to be this one
         self.length = DraftLength(config)
 
     def accept(self, tokens: list[int]) -> None:
         """Tokens now part of the context (generated, or the pending token decoded)."""
-        self._tokens.extend(tokens)
+        for token in tokens:
+            if self._source is not None:
+                self._source = self._source + 1 if self._tokens[self._source] == token else None
+            self._tokens.append(token)
 
     def propose(self, limit: int) -> list[int]:
         limit = min(limit, self.length.allowed())
         config = self._config
         if limit < config.draft_min:
             return []
+        if self._source is not None:
+            draft = self._tokens[self._source : self._source + limit]
+            if len(draft) >= config.draft_min:
+                return draft
         candidates = self._candidates()
         if not candidates:
             return []
@@ -213,6 +227,8 @@ class NgramDrafter:
                 break
             draft.append(token)
             following = [at for at in following if at + offset < end and tokens[at + offset] == token]
+        if len(following) == 1:  # one place alone continues the context: a copy of it
+            self._source = following[0]
         return draft if len(draft) >= config.draft_min else []
 
     def _candidates(self) -> list[tuple[int, int]]:
