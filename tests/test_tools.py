@@ -67,7 +67,10 @@ def test_required_forces_valid_calls(client, model, sampling):
     response = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                               max_tokens=200, **sampling)
     choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    # Sampled at temperature 1, a model may go on making parallel calls until max_tokens: the
+    # calls it finished are still returned, each valid.
+    assert choice.finish_reason == "tool_calls" or (
+        choice.finish_reason == "length" and response.usage.completion_tokens == 200 and choice.message.tool_calls)
     assert_valid_calls(choice.message)
 
 
