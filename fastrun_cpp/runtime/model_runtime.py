@@ -106,16 +106,39 @@ def is_deterministic(config: ModelConfig) -> bool:
     return config.deterministic and not uses_gpu(config)
 
 
+def tiled_attention_is_batch_invariant() -> bool:
+    """Whether this llama.cpp build has the GGML_CPU_FA_BATCH_INVARIANT switch (patches/,
+    applied by `make setup`): every f16/f32-KV attention then takes the tiled kernel, which
+    computes each row alone, whatever the batch."""
+    try:
+        # dlsym through libllama's handle, which finds its dependency libggml-cpu's symbols too.
+        llama_cpp.llama_cpp._lib.ggml_cpu_fa_batch_invariant_supported  # noqa: B018
+    except AttributeError:
+        return False
+    return True
+
+
+def kv_cache_types(config: ModelConfig) -> tuple[str, str]:
+    """K and V cache types. Deterministic mode needs attention kernels whose rows do not depend
+    on the batch: with fastrun's switch, the tiled kernel for equal f16/f32 types (as fast as
+    llama.cpp gets); without it, the per-row kernel, which llama.cpp takes only for unequal
+    types (with equal f16/f32 types it picks kernels by batch shape)."""
+    cache_type_v = config.gpu.cache_type_v
+    if not is_deterministic(config):
+        return config.gpu.cache_type_k or "f16", cache_type_v
+    if tiled_attention_is_batch_invariant():  # any other pair takes the per-row kernel
+        return config.gpu.cache_type_k or cache_type_v, cache_type_v
+    cache_type_k = config.gpu.cache_type_k or "bf16"
+    if cache_type_k == cache_type_v and cache_type_k in ("f16", "f32"):
+        logger.warning("%s: deterministic mode keeps K and V caches of different types with this llama.cpp build "
+                       "(no batch-invariant tiled attention); K is bf16", config.id)
+        cache_type_k = "bf16"
+    return cache_type_k, cache_type_v
+
+
 def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = None) -> EngineConfig:
     deterministic = is_deterministic(config)
-    cache_type_v = config.gpu.cache_type_v
-    cache_type_k = config.gpu.cache_type_k or ("bf16" if deterministic else "f16")
-    if deterministic and cache_type_k == cache_type_v and cache_type_k in ("f16", "f32"):
-        # With equal f16/f32 K and V types llama.cpp picks attention kernels by batch shape
-        # (tiled for long batches, split over the KV for one token): answers would depend on
-        # batching. Any other pair takes its one per-row kernel.
-        logger.warning("%s: deterministic mode keeps K and V caches of different types; K is bf16", config.id)
-        cache_type_k = "bf16"
+    cache_type_k, cache_type_v = kv_cache_types(config)
     return EngineConfig(
         slots=config.slots,
         ctx_size=config.ctx_size,
@@ -189,6 +212,9 @@ def prepare_process(config: ModelConfig) -> None:
     if deterministic:
         # The tiled K-quant matrix kernels are taken for batches of 8 rows or more only.
         os.environ["GGML_CPU_TILED_MM"] = "0"
+        # The tiled attention kernel for every batch, one row as 512 (a build without the
+        # switch ignores it; kv_cache_types then avoids the kernels that depend on the batch).
+        os.environ["GGML_CPU_FA_BATCH_INVARIANT"] = "1"
 
 
 def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaModel, path: Path,
