@@ -58,6 +58,7 @@ class ServerSpec:
     def command(self, port: int, model_path: Path) -> list[str]:
         if self.name == "fastrun-cpp":
             return [sys.executable, "-m", "fastrun_cpp", "serve", "--port", str(port),
+                    "--model", str(model_path), "--served-model-name", MODEL_ID,
                     "--slots", str(self.slots), "--ctx-size", str(self.ctx_size),
                     "--threads", str(self.threads), "--batch-size", str(self.batch_size),
                     "--log-level", "warning", *self.extra_args]
