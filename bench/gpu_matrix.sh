@@ -3,9 +3,9 @@
 # of the patched llama.cpp serves both fastrun-cpp (its Python bindings) and llama-server, then
 # bench/matrix.py runs prefill and decode at c=1/8/32/64, both fully offloaded.
 #
-# Carried in: .whl/ (fastrun-cpp's dependencies as wheels), .gpu/src.tar.gz (the llama-cpp-python
-# sdist's Python package and vendored llama.cpp, patched, without its models and docs) and
-# .bench/tiny.gguf (SmolLM2's tokenizer and template). No real model fits what can be carried, so
+# Carried in (made here by bench/gpu_prepare.sh): .whl/ (fastrun-cpp's dependencies as wheels),
+# .gpu/src.tar.gz (the llama-cpp-python sdist's Python package and vendored llama.cpp, patched,
+# without its models and docs) and .bench/tiny.gguf (SmolLM2's tokenizer and template). No real model fits what can be carried, so
 # the model is SmolLM2-135M's shape with random f16 weights (fastrun_cpp/tiny_model.py).
 #
 #   bash bench/gpu_matrix.sh OUT_DIR
