@@ -156,7 +156,8 @@ def quantile(before: list[tuple[float, float]], after: list[tuple[float, float]]
 
 
 def run_server(name: str, model_path: Path, args) -> dict:
-    spec = ServerSpec(name, slots=4, ctx_size=2048, threads=args.threads)
+    flags = tuple(args.fastrun_args.split()) if name == "fastrun-cpp" else ()
+    spec = ServerSpec(name, slots=4, ctx_size=2048, threads=args.threads, extra_args=flags)
     rows: dict[str, list[float]] = {}
     with running(spec, model_path) as server:
         asyncio.run(decode_rate(server.base_url, 1, 8, {}))  # warm-up
@@ -190,6 +191,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--models", default="smollm2,gemma")
     parser.add_argument("--threads", type=int, default=physical_cores())
+    parser.add_argument("--fastrun-args", default="", help="more fastrun-cpp flags, e.g. '--spec-type none' (plain "
+                        "answers gain from n-gram drafts that constrained ones rarely get)")
     args = parser.parse_args()
     servers = ["fastrun-cpp"] + (["llama-server"] if LLAMA_SERVER.exists() else [])
     paths = model_paths()
