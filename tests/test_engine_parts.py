@@ -399,3 +399,21 @@ def test_every_change_keeps_a_sequence_holding_exactly_its_tokens(operation):
         kv.clear_all()
         assert all(slot.cache_tokens == [] for slot in slots)
     assert holds_exactly_its_tokens(memory, slots)
+
+
+def test_a_garbage_collection_is_not_charged_to_the_grammar():
+    """A grammar's step is measured in this thread's CPU time less garbage collection: a gen-2
+    pass over a long-running server's objects (tens of ms) once failed a legitimate request
+    for going over the per-token grammar limit."""
+    import gc
+    import time
+
+    from fastrun_cpp.engine.sampling import grammar_clock
+
+    garbage = [[i] for i in range(1_000_000)]
+    cpu, clock = time.thread_time(), grammar_clock()
+    gc.collect()
+    spent_cpu, spent_clock = time.thread_time() - cpu, grammar_clock() - clock
+    del garbage
+    assert spent_cpu > 0.005  # the collection did take CPU time in this thread
+    assert spent_clock < spent_cpu / 10

@@ -29,7 +29,7 @@ from fastrun_cpp.engine.constraint import Constraint, GbnfConstraint, GuidanceCo
 from fastrun_cpp.engine.faults import GRAMMAR_HANG_TEXT
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.model import LlamaModel
-from fastrun_cpp.engine.sampling import Candidates
+from fastrun_cpp.engine.sampling import Candidates, grammar_clock
 from fastrun_cpp.structured.spec import GrammarSpec, Trigger
 
 logger = logging.getLogger(__name__)
@@ -192,11 +192,11 @@ class GrammarCompiler:
         try:
             logits = (ctypes.c_float * self._model.n_vocab)()
             # CPU time of this thread: the work the grammar makes, not the time a busy machine
-            # kept the thread waiting.
-            started = time.thread_time()
+            # kept the thread waiting (nor a garbage collection that started meanwhile).
+            started = grammar_clock()
             candidates.fill(logits)
             constraint.mask(candidates)
-            elapsed_ms = (time.thread_time() - started) * 1000
+            elapsed_ms = (grammar_clock() - started) * 1000
         finally:
             constraint.free()
         limit_ms = self.limits.grammar_first_step_ms * vocabulary_scale(self._model.n_vocab)

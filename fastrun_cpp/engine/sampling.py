@@ -3,13 +3,46 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable
 
 import llama_cpp.llama_cpp as llama
 import numpy as np
+
+class _CollectorTime:
+    """CPU seconds each thread has spent in Python's garbage collector. A collection can start
+    at any allocation, inside a grammar's step too, and a gen-2 pass over a long-running
+    server's objects takes tens of milliseconds: that pause is not the grammar's work, and
+    charging it to the grammar's per-token limit failed legitimate requests."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        local = self._local
+        if phase == "start":
+            local.started = time.thread_time()
+        elif (started := getattr(local, "started", None)) is not None:
+            local.seconds = getattr(local, "seconds", 0.0) + time.thread_time() - started
+            local.started = None
+
+    def seconds(self) -> float:
+        return getattr(self._local, "seconds", 0.0)
+
+
+_collector_time = _CollectorTime()
+
+
+def grammar_clock() -> float:
+    """This thread's CPU seconds, less those spent collecting garbage: what a grammar's step
+    is measured by."""
+    return time.thread_time() - _collector_time.seconds()
+
 
 MIN_REPETITION_PENALTY = 1e-3
 
@@ -195,19 +228,19 @@ class SamplerChain:
         token = candidates.selected()
         # The grammar's own CPU work (not the chain's, nor time spent waiting for a CPU).
         grammar_s = 0.0
-        started = time.thread_time()
+        started = grammar_clock()
         if not self._grammar.allows(token):
             candidates.fill(logits)
             self._grammar.mask(candidates)
-            grammar_s = time.thread_time() - started
+            grammar_s = grammar_clock() - started
             llama.llama_sampler_apply(self._chain, candidates.array)
             if not candidates.selected_is_possible():
                 self.grammar_ms = grammar_s * 1000
                 return NO_TOKEN  # accepting a refused token would throw inside llama.cpp
             token = candidates.selected()
-            started = time.thread_time()
+            started = grammar_clock()
         self._grammar.accept(token)
-        self.grammar_ms = (grammar_s + time.thread_time() - started) * 1000
+        self.grammar_ms = (grammar_s + grammar_clock() - started) * 1000
         llama.llama_sampler_accept(self._chain, token)
         return token
 
@@ -216,15 +249,15 @@ class SamplerChain:
         token = int(np.argmax(logits))
         if self._grammar is None:
             return token
-        started = time.thread_time()
+        started = grammar_clock()
         if not self._grammar.allows(token):  # sample first, mask only when refused
             allowed = self._grammar.allowed()
             token = int(np.argmax(np.where(allowed, logits, -np.inf)))
             if not allowed[token]:
-                self.grammar_ms = (time.thread_time() - started) * 1000
+                self.grammar_ms = (grammar_clock() - started) * 1000
                 return NO_TOKEN
         self._grammar.accept(token)
-        self.grammar_ms = (time.thread_time() - started) * 1000
+        self.grammar_ms = (grammar_clock() - started) * 1000
         return token
 
     def free(self) -> None:
