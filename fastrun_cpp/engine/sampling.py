@@ -13,6 +13,7 @@ from typing import Iterable
 import llama_cpp.llama_cpp as llama
 import numpy as np
 
+
 class _CollectorTime:
     """CPU seconds each thread has spent in Python's garbage collector. A collection can start
     at any allocation, inside a grammar's step too, and a gen-2 pass over a long-running
