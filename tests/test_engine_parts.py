@@ -325,6 +325,23 @@ def test_a_few_shared_template_tokens_do_not_take_a_slot_holding_another_convers
     assert kv.choose(slots, template + list(range(100, 200)) + [7], "")[0] is slots[0]  # a real prefix wins
 
 
+def test_a_prompt_no_slot_holds_goes_next_to_running_slots():
+    # Running slots with consecutive ids share llama.cpp's micro-batch (ubatch.py): a new
+    # request joins their run rather than the least recently used slot away from it.
+    kv, memory, slots = manager(5)
+    for seq, last_used in enumerate([3, 0, 4, 5, 1]):
+        slots[seq].last_used = last_used
+    slots[1].request = object()
+    free = [slot for slot in slots if slot.is_free]
+    assert kv.choose(free, list(range(50)), "")[0] is slots[0]  # next to 1, and older than 2
+    slots[3].request = object()
+    free = [slot for slot in slots if slot.is_free]
+    assert kv.choose(free, list(range(50)), "")[0] is slots[2]  # fills the hole between 1 and 3
+    for slot in slots:
+        slot.request = None
+    assert kv.choose(slots, list(range(50)), "")[0] is slots[1]  # nothing running: least recently used
+
+
 def test_prepare_keeps_the_shared_prefix_but_never_the_last_prompt_token():
     kv, memory, slots = manager(1)
     fill(kv, memory, slots[0], [1, 2, 3, 4, 5, 6])

@@ -106,18 +106,28 @@ def test_step_costs_interpolate_and_stay_optimistic_past_what_was_measured():
 
 
 def test_one_stream_on_a_cpu_verifies_only_drafts_likely_to_be_accepted():
-    assert worth_verifying([(0, 8, 0.9)], 1, costs(CPU)) == {0}
-    assert worth_verifying([(0, 8, 0.3)], 1, costs(CPU)) == set()
+    assert worth_verifying([(0, 8, 0.9)], [0], costs(CPU), 512) == {0: 8}
+    assert worth_verifying([(0, 8, 0.3)], [0], costs(CPU), 512) == {}
 
 
 def test_on_a_gpu_rows_are_cheap_and_even_doubtful_drafts_are_verified():
-    assert worth_verifying([(0, 8, 0.3)], 1, costs(GPU)) == {0}
+    assert worth_verifying([(0, 8, 0.3)], [0], costs(GPU), 512) == {0: 8}
 
 
-def test_a_full_batch_keeps_only_the_best_drafts():
-    # 8 slots decoding: a draft slows all eight, so it must be accepted nearly whole.
+def test_a_lone_draft_beside_plain_decodes_pays_a_pass_of_its_own():
+    # 8 slots decoding: llama.cpp runs one slot's draft as a second pass over the weights.
     drafts = [(slot, 8, rate) for slot, rate in enumerate([0.95, 0.6, 0.5])]
-    assert worth_verifying(drafts, 8, costs(CPU)) == {0}
+    assert worth_verifying(drafts, list(range(8)), costs(CPU), 512) == {}
+
+
+def test_drafts_of_every_slot_share_the_decodes_pass():
+    drafts = [(slot, 4, 0.9) for slot in range(8)]
+    assert worth_verifying(drafts, list(range(8)), costs(CPU), 512) == dict.fromkeys(range(8), 4)
+
+
+def test_adjacent_drafts_are_cut_to_one_length_to_share_a_pass():
+    # 8 and 4 tokens: one pass of 2 x 5 rows beats two passes (2 rows, then 8).
+    assert worth_verifying([(0, 8, 0.9), (1, 4, 0.9)], [0, 1], costs(CPU), 512) == {0: 4, 1: 4}
 
 
 def test_acceptance_follows_verifications_and_drifts_back_while_held():

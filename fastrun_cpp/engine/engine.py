@@ -50,6 +50,7 @@ from fastrun_cpp.engine.speculative import (
     worth_verifying,
 )
 from fastrun_cpp.engine.stats import EngineStats, ThroughputMeter
+from fastrun_cpp.engine.ubatch import micro_batches, neighbours
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class Engine:
         params = llama.llama_context_default_params()
         params.n_ctx = config.slots * config.ctx_size
         params.n_batch = config.batch_size
-        params.n_ubatch = min(config.batch_size, 512)
+        params.n_ubatch = self._n_ubatch = min(config.batch_size, 512)
         params.n_seq_max = config.slots
         params.n_threads = config.threads
         params.n_threads_batch = config.threads
@@ -461,7 +462,7 @@ class Engine:
         room = self.config.ctx_size - len(prompt)
         max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self._clock += 1
-        followers = sorted((s for s in free if s is not leader), key=lambda s: s.last_used)[: len(choices) - 1]
+        followers = self._placed([s for s in free if s is not leader], len(choices) - 1, also_busy=leader)
         speculative = self.config.speculation.enabled and request.speculative
         for index, slot in zip(choices, [leader, *followers]):
             if slot is not leader:
@@ -499,7 +500,7 @@ class Engine:
 
     def _resume(self, item: WaitingRequest) -> None:
         paused = item.paused
-        slot = min(self._scheduler.free_slots(), key=lambda s: s.last_used)
+        slot, = self._placed(self._scheduler.free_slots(), 1)
         item.paused = None  # the run is the slot's from here on (or fails with the request)
         if not self.kv_cache.reinstate(slot, paused.state, paused.tokens, paused.namespace):
             paused.run["sampler"].free()
@@ -507,6 +508,19 @@ class Engine:
         slot.attach(paused.run)
         if slot.speculative:
             self._drafter.start(slot.seq_id, [*slot.cache_tokens, slot.pending_token])
+
+    def _placed(self, free: list[Slot], count: int, also_busy: Slot | None = None) -> list[Slot]:
+        """`count` of the free slots to take, each next to running ones where it can be (so
+        their decodes share a micro-batch: see ubatch.py), least recently used among equals."""
+        busy = {slot.seq_id for slot in self._slots if not slot.is_free or slot is also_busy}
+        taken: list[Slot] = []
+        candidates = list(free)
+        for _ in range(min(count, len(candidates))):
+            slot = max(candidates, key=lambda s: (neighbours(s.seq_id, busy), -s.last_used))
+            candidates.remove(slot)
+            busy.add(slot.seq_id)
+            taken.append(slot)
+        return taken
 
     @staticmethod
     def _discard(item: WaitingRequest) -> None:
@@ -562,9 +576,11 @@ class Engine:
         in_batch: list[Slot] = []
         plan = self._scheduler.plan()
         drafts = self._drafts(plan.decoding, plan.draft_rows) if plan.draft_rows else {}
+        shape: list[tuple[int, int]] = []  # (sequence, tokens) of the decoding slots, in batch order
         for slot in plan.decoding:
             tokens = [slot.pending_token, *drafts.get(slot.seq_id, ())]
             last = batch.add(slot.seq_id, tokens, len(slot.cache_tokens), logits=True)
+            shape.append((slot.seq_id, len(tokens)))
             slot.batch_indices = list(range(last - len(tokens) + 1, last + 1))
             slot.draft = tokens[1:]
             self.kv_cache.extend(slot, tokens)  # the drafts' KV is dropped again where rejected
@@ -612,7 +628,8 @@ class Engine:
             outputs.extend(self._fork(slot, request, followers))
         elapsed = time.perf_counter() - started
         self._throughput.step(sum(len(o.token_ids) for o in outputs), elapsed)
-        if batch.size == decode_rows:  # prompt chunks would make it another kind of step
+        # A step without prompt chunks that llama.cpp ran in one pass prices a pass of its rows.
+        if batch.size == decode_rows and len(micro_batches(shape, self._n_ubatch)) == 1:
             self._step_costs.record(decode_rows, elapsed)
         return outputs
 
@@ -631,12 +648,12 @@ class Engine:
             else:
                 del drafts[seq]
         kept = worth_verifying([(seq, len(draft), slots[seq].acceptance.rate) for seq, draft in drafts.items()],
-                               len(decoding), self._step_costs)
+                               [slot.seq_id for slot in decoding], self._step_costs, self._n_ubatch)
         self._scheduler.drafted([slots[seq] for seq in drafts])  # drafting, verified or not, ends a turn
         for seq in drafts:
             if seq not in kept:
                 slots[seq].acceptance.held_back()
-        return {seq: draft for seq, draft in drafts.items() if seq in kept}
+        return {seq: drafts[seq][:length] for seq, length in kept.items()}
 
     def _draft_room(self, slot: Slot) -> int:
         # Room for the pending token, the drafts and the bonus token: in the answer's length

@@ -18,6 +18,7 @@ from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.tokens import common_prefix_length
+from fastrun_cpp.engine.ubatch import neighbours
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +116,17 @@ class KVCacheManager:
 
     def choose(self, free: list[Slot], prompt: list[int], namespace: str) -> tuple[Slot, int]:
         """The free slot for a prompt, and the prefix of it the slot holds (for `prepare`): the
-        longest prefix it may reuse wins; ties and misses go to the least recently used slot. A
-        prefix shorter than MIN_SAVED_TOKENS (a chat template's opening) counts as a miss:
+        longest prefix it may reuse wins; among ties and misses, a slot next to running ones
+        (its decodes then share their micro-batch: see ubatch.py), then the least recently used.
+        A prefix shorter than MIN_SAVED_TOKENS (a chat template's opening) counts as a miss:
         taking a slot for it would make the slot save its whole sequence first, and lose it for
         the prompt it belongs to, to gain a few tokens."""
         held = {slot.seq_id: shared_prefix(slot, prompt, namespace) for slot in free}
+        busy = {slot.seq_id for slot in self._slots if not slot.is_free}
 
-        def rank(slot: Slot) -> tuple[int, int]:
+        def rank(slot: Slot) -> tuple[int, int, int]:
             length = held[slot.seq_id]
-            return (length if length >= MIN_SAVED_TOKENS else 0), -slot.last_used
+            return (length if length >= MIN_SAVED_TOKENS else 0), neighbours(slot.seq_id, busy), -slot.last_used
 
         slot = max(free, key=rank)
         return slot, held[slot.seq_id]

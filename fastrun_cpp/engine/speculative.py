@@ -18,6 +18,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
+from fastrun_cpp.engine.ubatch import micro_batches
+
 SpecType = Literal["none", "ngram", "draft"]
 
 
@@ -90,10 +92,10 @@ class Acceptance:
 
 
 class StepCosts:
-    """Seconds a decode step takes by its number of rows, learned from this engine's own steps
-    (those without prompt chunks). A size not measured yet is interpolated between its measured
-    neighbours, and past the largest taken as the largest: optimistic, so that each size gets
-    tried, and then measured."""
+    """Seconds one pass over the weights takes by its number of rows, learned from this
+    engine's own steps that llama.cpp ran as one micro-batch (ubatch.py). A size not measured
+    yet is interpolated between its measured neighbours, and past the largest taken as the
+    largest: optimistic, so that each size gets tried, and then measured."""
 
     WEIGHT = 0.2
 
@@ -116,22 +118,44 @@ class StepCosts:
         share = (rows - below) / (above - below)
         return known[below] + share * (known[above] - known[below])
 
+    def estimate_step(self, micro_batches: list[int]) -> float | None:
+        """A step of these micro-batches (their rows): one pass each."""
+        passes = [self.estimate(rows) for rows in micro_batches]
+        return None if None in passes else sum(passes)
 
-def worth_verifying(drafts: list[tuple[int, int, float]], decoding: int, costs: StepCosts) -> set[int]:
-    """The drafts to verify in a step with `decoding` slots: `drafts` holds (key, length, the
-    slot's acceptance rate). Taken by acceptance, each draft is kept when it raises the tokens
-    the step is expected to yield per second - every decode token counts 1, a draft its length
-    times its acceptance - because each row verified slows the step, and so every slot's next
-    token."""
-    kept: set[int] = set()
-    tokens, rows = float(decoding), decoding
-    for key, length, acceptance in sorted(drafts, key=lambda draft: -draft[2]):
-        now, then = costs.estimate(rows), costs.estimate(rows + length)
-        gain = acceptance * length
-        if now is None or then is None or (tokens + gain) * now > tokens * then:
-            kept.add(key)
-            tokens += gain
-            rows += length
+
+def worth_verifying(drafts: list[tuple[int, int, float]], decoding: list[int], costs: StepCosts,
+                    n_ubatch: int) -> dict[int, int]:
+    """The drafts to verify in a step whose decoding slots are `decoding` (sequence ids, in
+    batch order), and how many tokens of each: `drafts` holds (sequence id, length, the slot's
+    acceptance rate). Verified drafts are those that raise the tokens the step is expected to
+    yield per second - every decode token counts 1, a draft its length times its acceptance -
+    because each row verified slows the step, and so every slot's next token. The step is
+    priced as llama.cpp runs it, a pass per micro-batch (ubatch.py): drafts beside plain
+    decodes take a pass of their own, which equally long drafts of adjacent slots share. So
+    the kept drafts are cut to one length: the best set of the most accepted drafts at the
+    best length."""
+    def step_cost(chosen: list[tuple[int, int, float]], length: int) -> float | None:
+        rows = dict.fromkeys(decoding, 1)
+        for seq, _, _ in chosen:
+            rows[seq] += length
+        return costs.estimate_step(micro_batches(list(rows.items()), n_ubatch))
+
+    if not drafts:
+        return {}
+    plain = step_cost([], 0)
+    if plain is None:  # nothing measured yet: verify them, and so measure
+        return {seq: length for seq, length, _ in drafts}
+    best_rate, kept = len(decoding) / plain, {}
+    ranked = sorted(drafts, key=lambda draft: -draft[2])
+    for length in sorted({length for _, length, _ in drafts}):
+        candidates = [draft for draft in ranked if draft[1] >= length]
+        gain = 0.0
+        for count in range(1, len(candidates) + 1):
+            gain += candidates[count - 1][2] * length
+            rate = (len(decoding) + gain) / step_cost(candidates[:count], length)
+            if rate > best_rate:
+                best_rate, kept = rate, {seq: length for seq, _, _ in candidates[:count]}
     return kept
 
 
