@@ -130,11 +130,15 @@ def test_adjacent_drafts_are_cut_to_one_length_to_share_a_pass():
     assert worth_verifying([(0, 8, 0.9), (1, 4, 0.9)], [0, 1], costs(CPU), 512) == {0: 4, 1: 4}
 
 
-def test_acceptance_follows_verifications_and_drifts_back_while_held():
+def test_a_held_back_draft_is_checked_against_the_tokens_that_come_instead():
     rate = Acceptance(0.9)
     rate.verified(8, 0)
     low = rate.rate
     assert low < 0.5
-    for _ in range(30):
-        rate.held_back()
-    assert rate.rate > low + 0.2  # tried again in time
+    rate.held_back([5, 6, 7, 8])
+    rate.held_back([1, 2])  # one held draft at a time: the first is still being checked
+    assert rate.observe([5]) is None and rate.observe([6, 7]) is None  # as drafted so far
+    assert rate.observe([8, 9]) == (4, 4) and rate.rate > low + 0.2  # it would have been accepted whole
+    rate.held_back([1, 2, 3])
+    assert rate.observe([1, 4]) == (3, 1)  # one of three
+    assert rate.observe([1]) is None  # nothing held

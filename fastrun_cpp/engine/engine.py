@@ -652,7 +652,7 @@ class Engine:
         self._scheduler.drafted([slots[seq] for seq in drafts])  # drafting, verified or not, ends a turn
         for seq in drafts:
             if seq not in kept:
-                slots[seq].acceptance.held_back()
+                slots[seq].acceptance.held_back(drafts[seq])
         return {seq: drafts[seq][:length] for seq, length in kept.items()}
 
     def _draft_room(self, slot: Slot) -> int:
@@ -707,6 +707,8 @@ class Engine:
         output = self._outputs.accept(slot, emitted, logprobs)
         if slot.speculative and not output.finished:
             self._drafter.accept(slot.seq_id, output.token_ids)
+            if (held := slot.acceptance.observe(output.token_ids)) is not None:
+                self._drafter.verified(slot.seq_id, *held)  # a held draft's length learns too
         return output
 
     def _answer_finished(self, slot: Slot) -> None:

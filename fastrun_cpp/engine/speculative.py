@@ -74,21 +74,42 @@ class SpeculationConfig:
 
 class Acceptance:
     """A recent share of drafted tokens accepted: a slot's, starting from the engine's (which
-    starts optimistic, so a fresh engine tries its first drafts). It drifts back up while a
-    slot's drafts are held back, so a stream whose text turns copyable is tried again."""
-
-    DRIFT = 0.02  # towards 1 per draft held back
+    starts optimistic, so a fresh engine tries its first drafts). A draft the cost gate holds
+    back is checked against the tokens that come instead, as if it had been verified: the
+    share keeps learning while nothing is verified, so a stream whose text turns copyable again
+    has its drafts verified again as soon as they would have been accepted."""
 
     def __init__(self, rate: float = 1.0, weight: float = 0.5) -> None:
         self.rate = rate
         self._weight = weight  # of the latest verification
+        self._held: list[int] = []  # a draft held back, being checked against what comes
+        self._matched = 0  # how much of it came
 
     def verified(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.rate += self._weight * (accepted / drafted - self.rate)
 
-    def held_back(self) -> None:
-        self.rate += self.DRIFT * (1.0 - self.rate)
+    def held_back(self, draft: list[int]) -> None:
+        if not self._held:
+            self._held, self._matched = list(draft), 0
+
+    def observe(self, tokens: list[int]) -> tuple[int, int] | None:
+        """The tokens the slot's answer went on with: (drafted, accepted) of the held draft
+        once they settle it."""
+        if not self._held:
+            return None
+        for token in tokens:
+            if token != self._held[self._matched]:
+                break
+            self._matched += 1
+            if self._matched == len(self._held):
+                break
+        else:
+            return None  # as drafted so far
+        outcome = len(self._held), self._matched
+        self._held, self._matched = [], 0
+        self.verified(*outcome)
+        return outcome
 
 
 class StepCosts:
