@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
+
 from fastrun_cpp.default_model import embedded_model_path
+from fastrun_cpp.engine.constraint import MasksAhead
 from fastrun_cpp.engine.errors import GrammarError
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import LlamaModel
@@ -48,6 +51,31 @@ def test_grammar_compiles_for_llguidance(compiler, name):
 def test_a_broken_grammar_is_reported(compiler):
     with pytest.raises(GrammarError):
         compiler.compile_now(GrammarSpec('root ::= "unterminated'))
+
+
+def test_masks_computed_ahead_are_the_masks_of_the_step(compiler, smollm):
+    # The engine computes a slot's next mask on a worker thread while the batch decodes; the
+    # step then reads it. Along a JSON answer, and for two slots at once, it must be the mask
+    # the step would compute itself, and never outlive the token it was computed before.
+    compiled = compiler.compile_now(GrammarSpec(base_grammar("json_object")))
+    answer = smollm.tokenize('{"name": "Bob", "tags": ["a", "b"], "age": 30}', add_special=False)
+    ahead, inline, other = compiled.instantiate(), compiled.instantiate(), compiled.instantiate()
+    masks = MasksAhead(workers=2)
+    try:
+        for token in answer:
+            masks.start({0: ahead, 1: other})
+            seconds = masks.finish()
+            assert set(seconds) == {0, 1} and all(s >= 0 for s in seconds.values())
+            expected = inline.allowed()
+            assert np.array_equal(ahead.allowed(), expected) and np.array_equal(other.allowed(), expected)
+            refused = int(np.flatnonzero(~expected)[0])
+            assert ahead.allows(token) and not ahead.allows(refused)
+            for constraint in (ahead, inline, other):
+                constraint.accept(token)
+    finally:
+        masks.close()
+        for constraint in (ahead, inline, other):
+            constraint.free()
 
 
 # Prompts the tiny model answers briefly (a rambling answer would hit max_tokens mid-value).

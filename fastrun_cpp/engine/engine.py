@@ -24,6 +24,7 @@ from typing import Callable
 import llama_cpp.llama_cpp as llama
 
 from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.constraint import MasksAhead
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.embedding import Embedder, model_pooling
@@ -168,6 +169,8 @@ class Engine:
         elif config.speculation.kind == "ngram":
             self._drafter = NgramDrafting(config.speculation)
         self._candidates = Candidates(model.n_vocab)
+        self._masks_ahead = MasksAhead(workers=2)
+        self._mask_seconds: dict[int, float] = {}  # by slot: CPU of the mask computed ahead for this step
         self._slots = [Slot(seq_id) for seq_id in range(config.slots)]
         self.stats = EngineStats()
         self.kv_cache = KVCacheManager(
@@ -299,6 +302,7 @@ class Engine:
             self._drafter.close()
         if self._embedder is not None:
             self._embedder.close()
+        self._masks_ahead.close()
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
@@ -610,12 +614,17 @@ class Engine:
         # loop while this thread waits in llama_decode without the GIL, instead of competing
         # with it for the GIL while the batch is built.
         self._flush()
+        self._masks_ahead.start({slot.seq_id: constraint for slot in [*plan.decoding, *finishing_prefill]
+                                 if (constraint := slot.sampler.mask_ahead()) is not None})
         started = time.perf_counter()
-        if self._faults.decode_fails():
-            status = INJECTED_FAILURE
-        else:
-            status = llama.llama_decode(self._ctx, batch.as_llama_batch())
-        self.stats.decode_seconds += time.perf_counter() - started
+        try:
+            if self._faults.decode_fails():
+                status = INJECTED_FAILURE
+            else:
+                status = llama.llama_decode(self._ctx, batch.as_llama_batch())
+            self.stats.decode_seconds += time.perf_counter() - started
+        finally:
+            self._mask_seconds = self._masks_ahead.finish()
         if status != 0:
             return self._decode_failed(status, in_batch)
         for slot in in_batch:
@@ -674,7 +683,8 @@ class Engine:
                 return self._reject_for_grammar(slot, f"the grammar cannot go on ({exc}); simplify the schema's "
                                                       "patterns or repetitions (limit --limit-grammar-step-ms)")
             if slot.sampler.constrained:
-                grammar_ms = slot.sampler.grammar_ms
+                # The grammar's CPU for this token: in the step, and ahead of it (MasksAhead).
+                grammar_ms = slot.sampler.grammar_ms + 1000 * self._mask_seconds.pop(slot.seq_id, 0.0)
                 self.stats.grammar_steps.observe(grammar_ms / 1000)
                 if grammar_ms > self._grammar_step_ms:
                     return self._reject_for_grammar(slot, (

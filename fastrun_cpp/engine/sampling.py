@@ -190,6 +190,12 @@ class SamplerChain:
         """Whether a grammar applies now."""
         return self._grammar is not None
 
+    def mask_ahead(self):
+        """The constraint whose next mask may be computed ahead of the step (llguidance's;
+        constraint.MasksAhead), if one applies now."""
+        grammar = self._grammar
+        return grammar if grammar is not None and grammar.engine == "llguidance" else None
+
     @property
     def watching(self) -> bool:
         """Whether a lazy grammar still waits for its trigger."""
