@@ -342,6 +342,19 @@ def test_a_prompt_no_slot_holds_goes_next_to_running_slots():
     assert kv.choose(slots, list(range(50)), "")[0] is slots[1]  # nothing running: least recently used
 
 
+def test_a_prefix_the_host_tier_holds_too_does_not_pull_a_request_away_from_running_slots():
+    # Any slot can restore it from RAM; only what a slot alone holds is worth a run of its own.
+    kv, memory, slots = manager(5)
+    document = list(range(100))
+    fill(kv, memory, slots[0], document[:80])
+    kv.save(slots[0])  # the host tier holds the same 80 tokens
+    slots[3].request = object()
+    free = [slot for slot in slots if slot.is_free]
+    assert kv.choose(free, document, "")[0] in (slots[2], slots[4])
+    fill(kv, memory, slots[0], document[:80] + [7] * 60)  # now a longer prefix only slot 0 holds
+    assert kv.choose(free, document[:80] + [7] * 60 + [1], "") == (slots[0], 140)
+
+
 def test_prepare_keeps_the_shared_prefix_but_never_the_last_prompt_token():
     kv, memory, slots = manager(1)
     fill(kv, memory, slots[0], [1, 2, 3, 4, 5, 6])

@@ -116,17 +116,21 @@ class KVCacheManager:
 
     def choose(self, free: list[Slot], prompt: list[int], namespace: str) -> tuple[Slot, int]:
         """The free slot for a prompt, and the prefix of it the slot holds (for `prepare`): the
-        longest prefix it may reuse wins; among ties and misses, a slot next to running ones
-        (its decodes then share their micro-batch: see ubatch.py), then the least recently used.
-        A prefix shorter than MIN_SAVED_TOKENS (a chat template's opening) counts as a miss:
+        slot holding the longest prefix only it can give wins; among ties and misses, a slot next
+        to running ones (its decodes then share their micro-batch: see ubatch.py), then the least
+        recently used. What the host tier holds too is restored into any slot, so it does not
+        count; nor does a prefix shorter than MIN_SAVED_TOKENS (a chat template's opening):
         taking a slot for it would make the slot save its whole sequence first, and lose it for
         the prompt it belongs to, to gain a few tokens."""
         held = {slot.seq_id: shared_prefix(slot, prompt, namespace) for slot in free}
         busy = {slot.seq_id for slot in self._slots if not slot.is_free}
+        entry, in_host = self.prompt_cache.longest_prefix(prompt, namespace)
+        if entry is None or not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
+            in_host = 0
 
         def rank(slot: Slot) -> tuple[int, int, int]:
-            length = held[slot.seq_id]
-            return (length if length >= MIN_SAVED_TOKENS else 0), neighbours(slot.seq_id, busy), -slot.last_used
+            only_here = held[slot.seq_id] - in_host
+            return (only_here if only_here >= MIN_SAVED_TOKENS else 0), neighbours(slot.seq_id, busy), -slot.last_used
 
         slot = max(free, key=rank)
         return slot, held[slot.seq_id]
