@@ -102,7 +102,9 @@ async def stream(client: httpx.AsyncClient, base_url: str, body: dict) -> Stream
                 return result
             if chunk.get("usage"):
                 result.tokens = chunk["usage"]["completion_tokens"]
-            if not result.ttft and any(c.get("delta") for c in chunk.get("choices", [])):
+            # A role-only delta (fastrun-cpp sends one at once, before the prompt is read) is not a token.
+            if not result.ttft and any(value for c in chunk.get("choices", [])
+                                       for key, value in (c.get("delta") or {}).items() if key != "role"):
                 result.ttft = time.perf_counter() - started
     result.duration = time.perf_counter() - started
     return result
