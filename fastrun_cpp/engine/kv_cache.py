@@ -124,9 +124,7 @@ class KVCacheManager:
         the prompt it belongs to, to gain a few tokens."""
         held = {slot.seq_id: shared_prefix(slot, prompt, namespace) for slot in free}
         busy = {slot.seq_id for slot in self._slots if not slot.is_free}
-        entry, in_host = self.prompt_cache.longest_prefix(prompt, namespace)
-        if entry is None or not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
-            in_host = 0
+        in_host = self._host_prefix(prompt, namespace)[1]
 
         def rank(slot: Slot) -> tuple[int, int, int]:
             only_here = held[slot.seq_id] - in_host
@@ -159,13 +157,19 @@ class KVCacheManager:
         self.clear(slot)
         slot.namespace = namespace
 
+    def _host_prefix(self, prompt: list[int], namespace: str) -> tuple[CachedSequence | None, int]:
+        """The host-tier entry that can serve the longest prefix of `prompt`, and its length
+        (None, 0 when none can)."""
+        entry, length = self.prompt_cache.longest_prefix(prompt, namespace)
+        if entry is None or not self.state_serves(len(entry.tokens), min(length, len(prompt) - 1)):
+            return None, 0
+        return entry, length
+
     def _load_prefix(self, slot: Slot, prompt: list[int], namespace: str, in_slot: int) -> tuple[str, int]:
         """Restore a longer prefix from the host tier than the `in_slot` tokens the slot holds,
         if there is one; otherwise keep the slot's own. What the slot is about to lose is saved
         first. Returns where the prefix comes from and its length."""
-        entry, in_host = self.prompt_cache.longest_prefix(prompt, namespace)
-        if entry is not None and not self.state_serves(len(entry.tokens), min(in_host, len(prompt) - 1)):
-            entry = None
+        entry, in_host = self._host_prefix(prompt, namespace)
         if entry is not None and in_host > in_slot:
             # Saving the slot may evict entries; this one is in use (and held here anyway).
             self.prompt_cache.touch(entry)

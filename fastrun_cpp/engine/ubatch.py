@@ -11,7 +11,7 @@ draft beside seven plain decodes takes two.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 
 def micro_batches(segments: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
@@ -41,8 +41,7 @@ def micro_batches(segments: Sequence[tuple[int, int]], n_ubatch: int) -> list[in
     return rows
 
 
-def neighbours(seq: int, busy: Iterable[int]) -> int:
+def neighbours(seq: int, busy: set[int]) -> int:
     """How many of `seq`'s adjacent ids are busy: a slot taken next to running ones joins
     their run of consecutive ids (one micro-batch) instead of starting another."""
-    busy = set(busy)
     return (seq - 1 in busy) + (seq + 1 in busy)
