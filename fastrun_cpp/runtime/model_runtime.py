@@ -118,6 +118,23 @@ def tiled_attention_is_batch_invariant() -> bool:
     return True
 
 
+def repacked_q4_k_is_batch_invariant() -> bool:
+    """Whether this llama.cpp build has the GGML_CPU_REPACK_BATCH_INVARIANT switch (patches/):
+    Q4_K weights are then repacked for the kernels llama-server uses (on AVX2), whose one-row
+    and many-row paths compute a row alike, and no other weight is."""
+    try:
+        llama_cpp.llama_cpp._lib.ggml_cpu_repack_batch_invariant_supported  # noqa: B018
+    except AttributeError:
+        return False
+    return True
+
+
+def repacks_weights(config: ModelConfig) -> bool:
+    """Whether the weights load into llama.cpp's repacked layouts: always on the fastest kernels;
+    in deterministic mode only with the switch above, which limits them to the batch-invariant one."""
+    return not is_deterministic(config) or repacked_q4_k_is_batch_invariant()
+
+
 def kv_cache_types(config: ModelConfig) -> tuple[str, str]:
     """K and V cache types. Deterministic mode needs attention kernels whose rows do not depend
     on the batch: with fastrun's switch, the tiled kernel for equal f16/f32 types (as fast as
@@ -164,7 +181,7 @@ def load_weights(config: ModelConfig, path: Path) -> list[LlamaModel]:
     """The weights each replica uses: one copy per GPU for GPU replicas, one shared copy
     otherwise (replicas on the CPU, or several replicas on one GPU)."""
     gpu = config.gpu
-    repack = not is_deterministic(config)
+    repack = repacks_weights(config)
     if config.gpus and gpu_offload_available():
         return [LlamaModel(path, n_gpu_layers=gpu.n_gpu_layers, main_gpu=device, split_mode="none")
                 for device in config.gpus]
@@ -215,6 +232,9 @@ def prepare_process(config: ModelConfig) -> None:
         # The tiled attention kernel for every batch, one row as 512 (a build without the
         # switch ignores it; kv_cache_types then avoids the kernels that depend on the batch).
         os.environ["GGML_CPU_FA_BATCH_INVARIANT"] = "1"
+        # Repacked weights only where the one-row kernel computes a row as the many-row one does
+        # (read as the weights load; repacks_weights() asks for no repacking without the switch).
+        os.environ["GGML_CPU_REPACK_BATCH_INVARIANT"] = "1"
 
 
 def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaModel, path: Path,
@@ -226,7 +246,8 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
     namespace = namespace_of(
         model=file_identity(path, known=directory / IDENTITIES_FILE), n_swa=model.n_swa, swa_full=settings.swa_full,
         type_k=settings.cache_type_k, type_v=settings.cache_type_v, flash_attn=settings.flash_attn,
-        deterministic=is_deterministic(config), llama_cpp=llama_cpp.__version__, build=system_info(),
+        deterministic=is_deterministic(config), repacked=repacks_weights(config), llama_cpp=llama_cpp.__version__,
+        build=system_info(),
     )
     return DiskPromptCache(directory, namespace, int(config.prompt_cache_disk_gib * 2**30))
 
@@ -255,7 +276,7 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     if settings.speculation.kind == "draft":
         draft_path = await asyncio.to_thread(config.resolve_draft_path)
         draft = await asyncio.to_thread(LlamaModel, draft_path, n_gpu_layers=config.gpu.n_gpu_layers,
-                                        repack=not is_deterministic(config))
+                                        repack=repacks_weights(config))
         weights.append(draft)  # freed with the rest
     pool = EnginePool([
         AsyncEngine(weights[i], settings, grammars, Faults.parse(faults_spec, replica=i), disk, draft,
