@@ -18,7 +18,7 @@ import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.model import LlamaModel
-from fastrun_cpp.runtime.model_runtime import repacked_q4_k_is_batch_invariant
+from fastrun_cpp.runtime.model_runtime import repacked_weights_are_batch_invariant
 
 
 def context(model: LlamaModel, *, unified: bool, sequences: int) -> llama.llama_context_p:
@@ -68,8 +68,8 @@ def chunks(tokens: list[int], sizes: list[int], seq: int = 0) -> list[list[tuple
 def main() -> None:
     path, count = sys.argv[1], int(sys.argv[2])
     logging.basicConfig(level=logging.DEBUG, format="%(message)s")  # llama.cpp's log: which buffers it loads into
-    # The deterministic mode's weights: repacked where the build's switch allows it (Q4_K).
-    model = LlamaModel(path, n_gpu_layers=0, repack=repacked_q4_k_is_batch_invariant())
+    # The deterministic mode's weights: repacked where the build's switch allows it.
+    model = LlamaModel(path, n_gpu_layers=0, repack=repacked_weights_are_batch_invariant())
     words = " ".join(f"Entry {i}: the crate {i * 37 % 101} left dock {i % 9} for port {i * 13 % 17}." for i in range(400))
     tokens = model.tokenize(words, add_special=True)[:count]
     n_vocab = model.n_vocab

@@ -1,13 +1,15 @@
 """The kernels the deterministic mode admits (patches/llama.cpp: the batch-invariant tiled
-attention kernel, f16 K and V; Q4_K weights repacked for the kernels whose one-row path computes
-a row as the many-row path does) compute every row the same whatever the batch: a text's logits
-at every position are bit for bit the same evaluated whole, one token at a time, in uneven
-chunks, or after another sequence's cells and beside it in every batch. On both models:
-SmolLM2 (Q4_1, full attention, 3 query heads per KV head) and Gemma 3 (Q4_K_M, its Q4_K weights
-repacked; a 512-token sliding window, 4 query heads per KV head; 700 tokens, so the window slides)."""
+attention kernel, f16 K and V; Q4_0, IQ4_NL and Q4_K weights repacked for the kernels whose
+one-row path computes a row as the many-row path does) compute every row the same whatever the
+batch: a text's logits at every position are bit for bit the same evaluated whole, one token at
+a time, in uneven chunks, or after another sequence's cells and beside it in every batch. On
+SmolLM2 (Q4_1, full attention, 3 query heads per KV head), on Gemma 3 (Q4_K_M, its Q4_K weights
+repacked; a 512-token sliding window, 4 query heads per KV head; 700 tokens, so the window
+slides), and on SmolLM2 requantized to Q4_0 and IQ4_NL (repacked)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -15,10 +17,11 @@ import sys
 
 from pathlib import Path
 
+import llama_cpp.llama_cpp as llama
 import pytest
 
 from fastrun_cpp.engine.backend import system_info
-from fastrun_cpp.runtime.model_runtime import repacked_q4_k_is_batch_invariant, tiled_attention_is_batch_invariant
+from fastrun_cpp.runtime.model_runtime import repacked_weights_are_batch_invariant, tiled_attention_is_batch_invariant
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not tiled_attention_is_batch_invariant(),
@@ -35,14 +38,33 @@ def probe(model_path, tokens: int) -> tuple[dict[str, list[int]], str]:
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_rows_do_not_depend_on_the_batch(model, gemma_path):
+def requantized(source: Path, target: Path, ftype: int) -> Path:
+    """The model requantized by llama.cpp's quantizer (from Q4_1: the answers are worse, the
+    kernels the same as a model published in that type)."""
+    params = llama.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+    assert llama.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    return target
+
+
+# (model, tokens, what its matrices are): Q4_1 and Q8_0 keep ggml's per-row kernels; Q4_K (Gemma's
+# attention output and half its FFN down projections), Q4_0 and IQ4_NL take the repacked kernels.
+MODELS = {"smollm2": 300, "gemma3": 700, "smollm2-q4_0": 300, "smollm2-iq4_nl": 300}
+REPACKED = {"gemma3", "smollm2-q4_0", "smollm2-iq4_nl"}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_rows_do_not_depend_on_the_batch(model, gemma_path, tmp_path):
     from fastrun_cpp.default_model import embedded_model_path
 
-    path, tokens = (embedded_model_path(), 300) if model == "smollm2" else (gemma_path, 700)
-    differing, log = probe(path, tokens)
+    path = {"smollm2": embedded_model_path, "gemma3": lambda: gemma_path,
+            "smollm2-q4_0": lambda: requantized(embedded_model_path(), tmp_path / "q4_0.gguf",
+                                                llama.LLAMA_FTYPE_MOSTLY_Q4_0),
+            "smollm2-iq4_nl": lambda: requantized(embedded_model_path(), tmp_path / "iq4_nl.gguf",
+                                                  llama.LLAMA_FTYPE_MOSTLY_IQ4_NL)}[model]()
+    differing, log = probe(path, MODELS[model])
     assert len(differing) == 3
     assert differing == {way: [] for way in differing}, differing  # positions whose logits differ
-    if model == "gemma3" and repacked_q4_k_is_batch_invariant() and "AVX2 = 1" in system_info():
-        # Its Q4_K weights did take the repacked kernels (one-row and many-row) checked above.
+    if model in REPACKED and repacked_weights_are_batch_invariant() and "AVX2 = 1" in system_info():
+        # Its weights did take the repacked kernels (one-row and many-row) checked above.
         assert "CPU_REPACK model buffer size" in log, log[-2000:]

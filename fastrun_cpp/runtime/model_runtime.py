@@ -118,10 +118,10 @@ def tiled_attention_is_batch_invariant() -> bool:
     return True
 
 
-def repacked_q4_k_is_batch_invariant() -> bool:
+def repacked_weights_are_batch_invariant() -> bool:
     """Whether this llama.cpp build has the GGML_CPU_REPACK_BATCH_INVARIANT switch (patches/):
-    Q4_K weights are then repacked for the kernels llama-server uses (on AVX2), whose one-row
-    and many-row paths compute a row alike, and no other weight is."""
+    Q4_0, IQ4_NL and Q4_K weights are then repacked for the kernels llama-server uses (on AVX2),
+    whose one-row and many-row paths compute a row alike, and no other weight is."""
     try:
         llama_cpp.llama_cpp._lib.ggml_cpu_repack_batch_invariant_supported  # noqa: B018
     except AttributeError:
@@ -131,8 +131,8 @@ def repacked_q4_k_is_batch_invariant() -> bool:
 
 def repacks_weights(config: ModelConfig) -> bool:
     """Whether the weights load into llama.cpp's repacked layouts: always on the fastest kernels;
-    in deterministic mode only with the switch above, which limits them to the batch-invariant one."""
-    return not is_deterministic(config) or repacked_q4_k_is_batch_invariant()
+    in deterministic mode only with the switch above, which limits them to the batch-invariant ones."""
+    return not is_deterministic(config) or repacked_weights_are_batch_invariant()
 
 
 def kv_cache_types(config: ModelConfig) -> tuple[str, str]:
