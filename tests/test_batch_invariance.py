@@ -21,7 +21,8 @@ import llama_cpp.llama_cpp as llama
 import pytest
 
 from fastrun_cpp.engine.backend import system_info
-from fastrun_cpp.runtime.model_runtime import repacked_weights_are_batch_invariant, tiled_attention_is_batch_invariant
+from fastrun_cpp.runtime.model_runtime import (DETERMINISTIC_SWITCHES, repacked_weights_are_batch_invariant,
+                                               tiled_attention_is_batch_invariant)
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not tiled_attention_is_batch_invariant(),
@@ -30,8 +31,7 @@ pytestmark = pytest.mark.skipif(not tiled_attention_is_batch_invariant(),
 
 def probe(model_path, tokens: int) -> tuple[dict[str, list[int]], str]:
     """The positions whose logits differ, by way of evaluating, and llama.cpp's log."""
-    env = {**os.environ, "GGML_CPU_FA_BATCH_INVARIANT": "1", "GGML_CPU_TILED_MM": "0",
-           "GGML_CPU_REPACK_BATCH_INVARIANT": "1"}  # the deterministic mode's switches (prepare_process)
+    env = {**os.environ, **DETERMINISTIC_SWITCHES}
     result = subprocess.run([sys.executable, "-m", "tests.batch_invariance_probe", str(model_path), str(tokens)],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -47,21 +47,23 @@ def requantized(source: Path, target: Path, ftype: int) -> Path:
     return target
 
 
-# (model, tokens, what its matrices are): Q4_1 and Q8_0 keep ggml's per-row kernels; Q4_K (Gemma's
-# attention output and half its FFN down projections), Q4_0 and IQ4_NL take the repacked kernels.
+# Tokens evaluated per model. Q4_1 and Q8_0 keep ggml's per-row kernels; Q4_K (Gemma's attention
+# output and half its FFN down projections), Q4_0 and IQ4_NL take the repacked kernels.
 MODELS = {"smollm2": 300, "gemma3": 700, "smollm2-q4_0": 300, "smollm2-iq4_nl": 300}
-REPACKED = {"gemma3", "smollm2-q4_0", "smollm2-iq4_nl"}
+REQUANTIZED = {"smollm2-q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "smollm2-iq4_nl": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL}
+REPACKED = {"gemma3", *REQUANTIZED}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_rows_do_not_depend_on_the_batch(model, gemma_path, tmp_path):
     from fastrun_cpp.default_model import embedded_model_path
 
-    path = {"smollm2": embedded_model_path, "gemma3": lambda: gemma_path,
-            "smollm2-q4_0": lambda: requantized(embedded_model_path(), tmp_path / "q4_0.gguf",
-                                                llama.LLAMA_FTYPE_MOSTLY_Q4_0),
-            "smollm2-iq4_nl": lambda: requantized(embedded_model_path(), tmp_path / "iq4_nl.gguf",
-                                                  llama.LLAMA_FTYPE_MOSTLY_IQ4_NL)}[model]()
+    if model == "gemma3":
+        path = gemma_path
+    elif model in REQUANTIZED:
+        path = requantized(embedded_model_path(), tmp_path / f"{model}.gguf", REQUANTIZED[model])
+    else:
+        path = embedded_model_path()
     differing, log = probe(path, MODELS[model])
     assert len(differing) == 3
     assert differing == {way: [] for way in differing}, differing  # positions whose logits differ

@@ -106,27 +106,36 @@ def is_deterministic(config: ModelConfig) -> bool:
     return config.deterministic and not uses_gpu(config)
 
 
+# Deterministic mode's process-wide llama.cpp switches (read once per process; a build without
+# patches/llama.cpp ignores the last two):
+# - GGML_CPU_TILED_MM=0: no tiled K-quant matrix kernels, which are taken for 8+ rows only;
+# - GGML_CPU_FA_BATCH_INVARIANT=1: the tiled attention kernel for every batch, one row as 512
+#   (without the patch, kv_cache_types avoids the kernels that depend on the batch);
+# - GGML_CPU_REPACK_BATCH_INVARIANT=1: repacked weights only where the one-row kernel computes a
+#   row as the many-row one does (read as the weights load; without the patch repacks_weights()
+#   asks for none).
+DETERMINISTIC_SWITCHES = {"GGML_CPU_TILED_MM": "0", "GGML_CPU_FA_BATCH_INVARIANT": "1",
+                          "GGML_CPU_REPACK_BATCH_INVARIANT": "1"}
+
+
+def _llama_cpp_exports(symbol: str) -> bool:
+    """Whether this llama.cpp build exports `symbol` (patches/llama.cpp add some, `make setup`
+    applies them)."""
+    # dlsym through libllama's handle, which finds its dependency libggml-cpu's symbols too.
+    return hasattr(llama_cpp.llama_cpp._lib, symbol)
+
+
 def tiled_attention_is_batch_invariant() -> bool:
-    """Whether this llama.cpp build has the GGML_CPU_FA_BATCH_INVARIANT switch (patches/,
-    applied by `make setup`): every f16/f32-KV attention then takes the tiled kernel, which
-    computes each row alone, whatever the batch."""
-    try:
-        # dlsym through libllama's handle, which finds its dependency libggml-cpu's symbols too.
-        llama_cpp.llama_cpp._lib.ggml_cpu_fa_batch_invariant_supported  # noqa: B018
-    except AttributeError:
-        return False
-    return True
+    """Whether this build has the GGML_CPU_FA_BATCH_INVARIANT switch: every f16/f32-KV attention
+    then takes the tiled kernel, which computes each row alone, whatever the batch."""
+    return _llama_cpp_exports("ggml_cpu_fa_batch_invariant_supported")
 
 
 def repacked_weights_are_batch_invariant() -> bool:
-    """Whether this llama.cpp build has the GGML_CPU_REPACK_BATCH_INVARIANT switch (patches/):
-    Q4_0, IQ4_NL and Q4_K weights are then repacked for the kernels llama-server uses (on AVX2),
-    whose one-row and many-row paths compute a row alike, and no other weight is."""
-    try:
-        llama_cpp.llama_cpp._lib.ggml_cpu_repack_batch_invariant_supported  # noqa: B018
-    except AttributeError:
-        return False
-    return True
+    """Whether this build has the GGML_CPU_REPACK_BATCH_INVARIANT switch: Q4_0, IQ4_NL and Q4_K
+    weights are then repacked for the kernels llama-server uses (on AVX2), whose one-row and
+    many-row paths compute a row alike, and no other weight is."""
+    return _llama_cpp_exports("ggml_cpu_repack_batch_invariant_supported")
 
 
 def repacks_weights(config: ModelConfig) -> bool:
@@ -193,8 +202,8 @@ def load_weights(config: ModelConfig, path: Path) -> list[LlamaModel]:
     return [model] * config.replica_count
 
 
-# The CPU kernel set of this process, fixed by its first model: ggml reads GGML_CPU_TILED_MM
-# once per process, at the first matrix product, so it cannot differ between models.
+# The CPU kernel set of this process, fixed by its first model: ggml reads its switches
+# (DETERMINISTIC_SWITCHES) once per process, so they cannot differ between models.
 _process_deterministic: bool | None = None
 
 
@@ -205,7 +214,8 @@ def mixed_kernels_error(modes: dict[str, bool]) -> str | None:
     exact = sorted(model for model, deterministic in modes.items() if deterministic)
     fast = sorted(model for model, deterministic in modes.items() if not deterministic)
     return (f"deterministic models ({', '.join(exact)}) and models on the fastest kernels ({', '.join(fast)}) "
-            "cannot share one server process: llama.cpp's kernel switch (GGML_CPU_TILED_MM) is process-wide. "
+            f"cannot share one server process: llama.cpp's kernel switches ({', '.join(DETERMINISTIC_SWITCHES)}) "
+            "are process-wide. "
             "Give them all the same `deterministic` setting, serve them from two servers, or use --backend ray "
             "(a process per replica)")
 
@@ -227,14 +237,7 @@ def prepare_process(config: ModelConfig) -> None:
                                               _process_deterministic}))
     _process_deterministic = deterministic
     if deterministic:
-        # The tiled K-quant matrix kernels are taken for batches of 8 rows or more only.
-        os.environ["GGML_CPU_TILED_MM"] = "0"
-        # The tiled attention kernel for every batch, one row as 512 (a build without the
-        # switch ignores it; kv_cache_types then avoids the kernels that depend on the batch).
-        os.environ["GGML_CPU_FA_BATCH_INVARIANT"] = "1"
-        # Repacked weights only where the one-row kernel computes a row as the many-row one does
-        # (read as the weights load; repacks_weights() asks for no repacking without the switch).
-        os.environ["GGML_CPU_REPACK_BATCH_INVARIANT"] = "1"
+        os.environ.update(DETERMINISTIC_SWITCHES)
 
 
 def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaModel, path: Path,
