@@ -317,9 +317,14 @@ class Engine:
         return held / (self.config.slots * self.config.ctx_size)
 
     def load(self) -> tuple[int, int]:
-        """(busy slots, waiting requests), approximately."""
+        """(busy slots, choices accepted and not in a slot), approximately. Counted from what
+        was accepted rather than from the queues, so a request on its way from the inbox to a
+        slot is never missed (a router seeing this replica idle would stack a second request
+        behind it)."""
         busy = sum(1 for slot in self._slots if not slot.is_free)
-        return busy, len(self._scheduler.queue) + len(self._inbox) + len(self._embed_jobs)
+        with self._lock:
+            accepted = sum(unfinished.choices for unfinished in self._unfinished.values())
+        return busy, max(0, accepted - busy)
 
     # ------------------------------------------------------------- scheduler thread only
 
