@@ -3,17 +3,20 @@ cache manager over a fake sequence memory that plays llama.cpp's part."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
 from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS, KVCacheManager, shared_prefix
-from fastrun_cpp.engine.prompt_cache import PromptCache
+from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.request import GenerationRequest
 from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, WaitingRequest
 from fastrun_cpp.engine.scheduler import Admission, Preemption, Scheduler
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.speculative import SpeculationConfig
 from fastrun_cpp.engine.stats import EngineStats
+from fastrun_cpp.engine.tokens import PrefixIndex, common_prefix_length
 
 
 def waiting(request_id: str, n: int = 1, prompt: list[int] | None = None, *, account: str = "",
@@ -447,3 +450,52 @@ def test_a_garbage_collection_is_not_charged_to_the_grammar():
     del garbage
     assert spent_cpu > 0.005  # the collection did take CPU time in this thread
     assert spent_clock < spent_cpu / 10
+
+
+# ------------------------------------------------------------------ prefix index
+
+
+def test_the_prefix_index_answers_as_comparing_every_sequence_would():
+    """Random sequences sharing prefixes of every length, added, replaced and removed: the
+    index's longest prefix, and the sequences that are prefixes of a prompt, are what comparing
+    the prompt with every held sequence gives; removing all leaves an empty tree."""
+    rng = random.Random(7)
+    for _ in range(100):
+        index, held = PrefixIndex(), {}
+        base = [rng.randrange(4) for _ in range(40)]
+        for _ in range(150):
+            if rng.random() < 0.6:
+                key = rng.randrange(50)
+                held[key] = base[:rng.randrange(41)] + [rng.randrange(4) for _ in range(rng.randrange(12))]
+                index.add(key, held[key])
+            elif held:
+                key = rng.choice(list(held))
+                index.remove(key)
+                del held[key]
+            prompt = base[:rng.randrange(41)] + [rng.randrange(4) for _ in range(rng.randrange(8))]
+            best = max((common_prefix_length(tokens, prompt) for tokens in held.values()), default=0)
+            key, length = index.longest_prefix(prompt)
+            assert length == best
+            assert (key is None) if best == 0 else common_prefix_length(held[key], prompt) == best
+            assert sorted(index.prefixes_of(prompt)) == sorted(
+                k for k, tokens in held.items() if prompt[:len(tokens)] == tokens)
+        for key in list(held):
+            index.remove(key)
+        assert len(index) == 0 and index.longest_prefix(base) == (None, 0)
+        assert not index._root.children
+
+
+def test_the_host_tier_finds_the_longest_prefix_among_thousands_by_namespace():
+    cache = PromptCache(capacity_bytes=2**30)
+    state = np.zeros(8, dtype=np.uint8)
+    system = list(range(1000, 1040))
+    for i in range(3000):
+        cache.insert(CachedSequence([*system, i, *range(i, i + 20)], state, namespace=f"ns{i % 2}"))
+    prompt = [*system, 1234, *range(1234, 1244), 7]
+    entry, length = cache.longest_prefix(prompt, "ns0")
+    assert length == len(prompt) - 1 and entry.tokens[:length] == prompt[:length]
+    assert cache.longest_prefix(prompt, "ns1")[1] == len(system)  # 1234 is ns0's
+    assert cache.covers(prompt[:-1], "ns0") and not cache.covers(prompt, "ns0")
+    # An entry that extends others replaces them; only its own namespace's.
+    cache.insert(CachedSequence([*system, 1234, *range(1234, 1254), 5], state, namespace="ns0"))
+    assert len(cache) == 3000

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastrun_cpp.engine.tokens import common_prefix_length
+from fastrun_cpp.engine.tokens import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ MAGIC = b"FASTRUN-KV\x01\n"
 SUFFIX = ".kv"
 _HEADER_SIZE = struct.Struct("<I")
 _RESCAN_INTERVAL_S = 5.0  # how often to look for files other processes wrote
+_EVICT_SCAN_INTERVAL_S = 1.0  # how long a write may trust this process's count of the directory's bytes
 WRITE_QUEUE_BYTES = 512 * 2**20  # states waiting for the writer (one larger state may still wait alone)
 IDENTITIES_FILE = "model-identities.json"  # content hashes of model files, by path, size and mtime
 _HASH_CHUNK = 16 * 2**20
@@ -126,6 +127,7 @@ class DiskPromptCache:
         self.directory = Path(directory) / namespace
         self.stats = DiskStats()
         self._entries: dict[Path, DiskEntry] = {}
+        self._index: dict[str, PrefixIndex] = {}  # by tenant: entry paths by their tokens
         self._unreadable: set[tuple[Path, float]] = set()  # (path, mtime) already warned about
         self._lock = threading.Lock()
         self._writes: queue.Queue[tuple[list[int], np.ndarray] | None] = queue.Queue()
@@ -133,6 +135,7 @@ class DiskPromptCache:
         self._queued_bytes = 0  # of the states waiting to be written
         self._done = threading.Condition(self._lock)
         self._scanned_at = 0.0
+        self._evict_scanned_at = 0.0
         self._dir_mtime = -1
         self._writer: threading.Thread | None = None
         if self.enabled:
@@ -159,15 +162,10 @@ class DiskPromptCache:
         if not self.enabled:
             return None, 0
         self._rescan()
-        best, best_length = None, 0
-        tenant = tenant_tag(namespace)
         with self._lock:
-            entries = [entry for entry in self._entries.values() if entry.tenant == tenant]
-        for entry in entries:
-            length = common_prefix_length(entry.tokens, tokens)
-            if length > best_length:
-                best, best_length = entry, length
-        return best, best_length
+            index = self._index.get(tenant_tag(namespace))
+            path, length = index.longest_prefix(tokens) if index is not None else (None, 0)
+            return (self._entries[path], length) if path is not None else (None, 0)
 
     def load(self, entry: DiskEntry) -> np.ndarray | None:
         """The entry's state, or None (and the file forgotten) if it is gone or unreadable."""
@@ -261,12 +259,21 @@ class DiskPromptCache:
                 temporary.unlink()
         size = path.stat().st_size
         with self._lock:
-            self._entries[path] = DiskEntry(path, list(tokens), size, time.time(), tenant)
+            self._add(DiskEntry(path, list(tokens), size, time.time(), tenant))
             self.stats.writes += 1
         self._evict()
 
     def _evict(self) -> None:
-        """Delete least recently used files until the namespace fits (other processes' too)."""
+        """Delete least recently used files until the namespace fits (other processes' too).
+        The directory is read only when this process's count says it is over, or when it was
+        last read a while ago (another server may have written): reading thousands of files'
+        sizes after every write would keep a core busy."""
+        now = time.monotonic()
+        with self._lock:
+            within = self.stats.bytes <= self.capacity_bytes
+        if within and now - self._evict_scanned_at < _EVICT_SCAN_INTERVAL_S:
+            return
+        self._evict_scanned_at = now
         files = []
         for item in os.scandir(self.directory):
             if item.name.endswith(SUFFIX):
@@ -286,7 +293,6 @@ class DiskPromptCache:
             total -= size
             self.stats.evictions += 1
             self._forget(path)
-        self._update_totals()
 
     # ------------------------------------------------------------------ the index
 
@@ -347,7 +353,7 @@ class DiskPromptCache:
                 present[Path(item.path)] = item
         with self._lock:
             for path in [p for p in self._entries if p not in present]:
-                del self._entries[path]
+                self._drop(path)
             new = [p for p in present if p not in self._entries]
         for path in new:
             try:
@@ -362,8 +368,7 @@ class DiskPromptCache:
                 self._skip(path, exc)
                 continue
             with self._lock:
-                self._entries[path] = DiskEntry(path, tokens, info.st_size, info.st_mtime, tenant)
-        self._update_totals()
+                self._add(DiskEntry(path, tokens, info.st_size, info.st_mtime, tenant))
 
     def _skip(self, path: Path, reason: Exception) -> None:
         logger.warning("prompt cache: skipping %s: %s", path.name, reason)
@@ -372,10 +377,22 @@ class DiskPromptCache:
 
     def _forget(self, path: Path) -> None:
         with self._lock:
-            self._entries.pop(path, None)
-        self._update_totals()
+            self._drop(path)
 
-    def _update_totals(self) -> None:
-        with self._lock:
-            self.stats.entries = len(self._entries)
-            self.stats.bytes = sum(e.nbytes for e in self._entries.values())
+    # Every change of the entries goes through these two (lock held): the index and the totals follow.
+
+    def _add(self, entry: DiskEntry) -> None:
+        self._drop(entry.path)
+        self._entries[entry.path] = entry
+        self._index.setdefault(entry.tenant, PrefixIndex()).add(entry.path, entry.tokens)
+        self.stats.entries, self.stats.bytes = len(self._entries), self.stats.bytes + entry.nbytes
+
+    def _drop(self, path: Path) -> None:
+        entry = self._entries.pop(path, None)
+        if entry is None:
+            return
+        index = self._index[entry.tenant]
+        index.remove(path)
+        if not index:
+            del self._index[entry.tenant]
+        self.stats.entries, self.stats.bytes = len(self._entries), self.stats.bytes - entry.nbytes

@@ -134,15 +134,7 @@ class EnginePool:
             candidates = [r for r in self._replicas if r.engine.name not in exclude]  # all down: try anyway
         if not candidates:
             raise EngineError("no replica left to serve the request")
-        prompt = request.prompt_tokens
-        loads = []
-        for replica in candidates:
-            engine = replica.engine.engine
-            running, waiting = engine.load()
-            loads.append(ReplicaLoad(replica.index, engine.kv_cache.cached_prefix(prompt, request.cache_namespace),
-                                     running, waiting + replica.submitting, engine.config.slots))
-        by_index = {replica.index: replica for replica in candidates}
-        ranked = [by_index[index] for index in rank_replicas(loads)]
+        ranked = self._ranked(candidates, request) if len(candidates) > 1 else candidates
         retry_after, over_share = None, True
         for replica in ranked:
             replica.submitting += 1
@@ -154,3 +146,16 @@ class EnginePool:
             finally:
                 replica.submitting -= 1
         raise CapacityError(retry_after or 1, over_share=over_share)
+
+    @staticmethod
+    def _ranked(candidates: list[_Replica], request: GenerationRequest) -> list[_Replica]:
+        """Best first, by what each holds of the prompt and its load (routing.rank_replicas)."""
+        loads = []
+        for replica in candidates:
+            engine = replica.engine.engine
+            running, waiting = engine.load()
+            loads.append(ReplicaLoad(replica.index, engine.kv_cache.cached_prefix(request.prompt_tokens,
+                                                                                 request.cache_namespace),
+                                     running, waiting + replica.submitting, engine.config.slots))
+        by_index = {replica.index: replica for replica in candidates}
+        return [by_index[index] for index in rank_replicas(loads)]

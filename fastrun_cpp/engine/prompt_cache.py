@@ -9,7 +9,7 @@ from itertools import count
 
 import numpy as np
 
-from fastrun_cpp.engine.tokens import common_prefix_length
+from fastrun_cpp.engine.tokens import PrefixIndex
 
 
 @dataclass(eq=False)
@@ -32,6 +32,7 @@ class PromptCache:
         self.capacity_bytes = capacity_bytes
         self.nbytes = 0
         self._entries: OrderedDict[int, CachedSequence] = OrderedDict()
+        self._index: dict[str, PrefixIndex] = {}  # by namespace: entry keys by their tokens
         # The scheduler thread changes the cache; routers on other threads look into it.
         self._lock = threading.Lock()
 
@@ -45,14 +46,10 @@ class PromptCache:
     def longest_prefix(self, tokens: list[int], namespace: str = "") -> tuple[CachedSequence | None, int]:
         """The entry of `namespace` sharing the longest prefix with `tokens`, and that prefix's
         length."""
-        best, best_length = None, 0
         with self._lock:
-            entries = [entry for entry in self._entries.values() if entry.namespace == namespace]
-        for entry in entries:
-            length = common_prefix_length(entry.tokens, tokens)
-            if length > best_length:
-                best, best_length = entry, length
-        return best, best_length
+            index = self._index.get(namespace)
+            key, length = index.longest_prefix(tokens) if index is not None else (None, 0)
+            return (self._entries[key], length) if key is not None else (None, 0)
 
     def sequences(self) -> list[tuple[str, list[int]]]:
         """(namespace, tokens) of every entry."""
@@ -61,12 +58,7 @@ class PromptCache:
 
     def covers(self, tokens: list[int], namespace: str = "") -> bool:
         """Whether some entry of `namespace` already holds all of `tokens` (as its own prefix)."""
-        with self._lock:
-            entries = [entry for entry in self._entries.values() if entry.namespace == namespace]
-        return any(
-            len(entry.tokens) >= len(tokens) and common_prefix_length(entry.tokens, tokens) == len(tokens)
-            for entry in entries
-        )
+        return self.longest_prefix(tokens, namespace)[1] == len(tokens) > 0
 
     def touch(self, entry: CachedSequence) -> None:
         """Mark as most recently used (if still cached)."""
@@ -80,17 +72,22 @@ class PromptCache:
         if entry.nbytes > self.capacity_bytes:
             return 0
         with self._lock:
-            for old in [e for e in self._entries.values() if e.namespace == entry.namespace
-                        and common_prefix_length(e.tokens, entry.tokens) == len(e.tokens)]:
-                self._remove(old)  # a prefix of the new entry: the new one serves all its hits
+            if (index := self._index.get(entry.namespace)) is not None:
+                for key in index.prefixes_of(entry.tokens):
+                    self._remove(self._entries[key])  # a prefix of the new entry: the new one serves all its hits
             evicted = 0
             while self.nbytes + entry.nbytes > self.capacity_bytes:
                 self._remove(next(iter(self._entries.values())))
                 evicted += 1
             self._entries[entry.key] = entry
+            self._index.setdefault(entry.namespace, PrefixIndex()).add(entry.key, entry.tokens)
             self.nbytes += entry.nbytes
         return evicted
 
     def _remove(self, entry: CachedSequence) -> None:
         del self._entries[entry.key]
+        index = self._index[entry.namespace]
+        index.remove(entry.key)
+        if not index:
+            del self._index[entry.namespace]
         self.nbytes -= entry.nbytes

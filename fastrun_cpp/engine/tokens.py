@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Hashable
+
 _CHUNK = 256
 
 
@@ -14,3 +16,108 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     while index < limit and a[index] == b[index]:
         index += 1
     return index
+
+
+class _Node:
+    """A radix tree node: the edge into it is `source[start:end]` (positions in the sequence,
+    which every sequence below it shares, so any of them can be the source)."""
+
+    __slots__ = ("source", "start", "end", "children", "keys")
+
+    def __init__(self, source: list[int], start: int, end: int) -> None:
+        self.source = source
+        self.start = start
+        self.end = end
+        self.children: dict[int, _Node] = {}  # by the first token of their edge
+        self.keys: set[Hashable] = set()  # sequences that end here
+
+
+class PrefixIndex:
+    """Token sequences by key, answering "which share the longest prefix with this prompt" in
+    time that grows with the prompt, not with how many sequences are held (a cache of
+    thousands would otherwise compare every one at every admission): a radix tree."""
+
+    def __init__(self) -> None:
+        self._root = _Node([], 0, 0)
+        self._tokens: dict[Hashable, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def add(self, key: Hashable, tokens: list[int]) -> None:
+        if key in self._tokens:
+            self.remove(key)
+        self._tokens[key] = tokens
+        node, depth = self._root, 0
+        while True:
+            if depth == len(tokens):
+                node.keys.add(key)
+                return
+            child = node.children.get(tokens[depth])
+            if child is None:
+                node.children[tokens[depth]] = leaf = _Node(tokens, depth, len(tokens))
+                leaf.keys.add(key)
+                return
+            matched = _edge_match(child, tokens)
+            if child.start + matched < child.end:  # split the edge where they part
+                middle = _Node(child.source, child.start, child.start + matched)
+                middle.children[child.source[middle.end]] = child
+                child.start = middle.end
+                node.children[tokens[depth]] = child = middle
+            node, depth = child, child.end
+
+    def remove(self, key: Hashable) -> None:
+        tokens = self._tokens.pop(key, None)
+        if tokens is None:
+            return
+        path, node, depth = [], self._root, 0
+        while depth < len(tokens):
+            path.append(node)
+            node = node.children[tokens[depth]]
+            depth = node.end
+        node.keys.discard(key)
+        # Drop nodes left without sequences, and merge a node left with one child into it.
+        while path and not node.keys and len(node.children) <= 1:
+            parent = path.pop()
+            if node.children:
+                (child,) = node.children.values()
+                child.start = node.start
+                parent.children[node.source[node.start]] = child
+            else:
+                del parent.children[node.source[node.start]]
+            node = parent
+
+    def longest_prefix(self, tokens: list[int]) -> tuple[Hashable | None, int]:
+        """A key whose sequence shares the longest prefix with `tokens` (one that ends there,
+        if any does), and that prefix's length; (None, 0) when none shares a token."""
+        node, depth = self._root, 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            matched = _edge_match(child, tokens)
+            node, depth = child, child.start + matched
+            if depth < child.end:
+                break
+        if depth == 0:
+            return None, 0
+        while not node.keys:  # every leaf holds a sequence
+            node = next(iter(node.children.values()))
+        return next(iter(node.keys)), depth
+
+    def prefixes_of(self, tokens: list[int]) -> list[Hashable]:
+        """Keys of the sequences that are prefixes of `tokens` (equal ones included)."""
+        found = list(self._root.keys)
+        node, depth = self._root, 0
+        while depth < len(tokens):
+            node = node.children.get(tokens[depth])
+            if node is None or node.start + _edge_match(node, tokens) < node.end:
+                break
+            depth = node.end
+            found.extend(node.keys)
+        return found
+
+
+def _edge_match(node: _Node, tokens: list[int]) -> int:
+    """How many tokens of the edge into `node` `tokens` follows."""
+    return common_prefix_length(node.source[node.start:node.end], tokens[node.start:node.end])
