@@ -458,7 +458,8 @@ def test_a_garbage_collection_is_not_charged_to_the_grammar():
 def test_the_prefix_index_answers_as_comparing_every_sequence_would():
     """Random sequences sharing prefixes of every length, added, replaced and removed: the
     index's longest prefix, and the sequences that are prefixes of a prompt, are what comparing
-    the prompt with every held sequence gives; removing all leaves an empty tree."""
+    the prompt with every held sequence gives; it references no removed sequence, and removing
+    all leaves an empty tree."""
     rng = random.Random(7)
     for _ in range(100):
         index, held = PrefixIndex(), {}
@@ -479,6 +480,12 @@ def test_the_prefix_index_answers_as_comparing_every_sequence_would():
             assert (key is None) if best == 0 else common_prefix_length(held[key], prompt) == best
             assert sorted(index.prefixes_of(prompt)) == sorted(
                 k for k, tokens in held.items() if prompt[:len(tokens)] == tokens)
+            # Edges read only from sequences still held (a removed one is not kept alive).
+            nodes = list(index._root.children.values())
+            while nodes:
+                node = nodes.pop()
+                assert any(node.source is tokens for tokens in held.values())
+                nodes.extend(node.children.values())
         for key in list(held):
             index.remove(key)
         assert len(index) == 0 and index.longest_prefix(base) == (None, 0)

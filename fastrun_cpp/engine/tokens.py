@@ -70,22 +70,26 @@ class PrefixIndex:
         tokens = self._tokens.pop(key, None)
         if tokens is None:
             return
-        path, node, depth = [], self._root, 0
+        path, node, depth = [self._root], self._root, 0
         while depth < len(tokens):
-            path.append(node)
             node = node.children[tokens[depth]]
             depth = node.end
+            path.append(node)
         node.keys.discard(key)
         # Drop nodes left without sequences, and merge a node left with one child into it.
-        while path and not node.keys and len(node.children) <= 1:
-            parent = path.pop()
+        while len(path) > 1 and not path[-1].keys and len(path[-1].children) <= 1:
+            node = path.pop()
             if node.children:
                 (child,) = node.children.values()
                 child.start = node.start
-                parent.children[node.source[node.start]] = child
+                path[-1].children[node.source[node.start]] = child
             else:
-                del parent.children[node.source[node.start]]
-            node = parent
+                del path[-1].children[node.source[node.start]]
+        # Edges read from the removed sequence read from one still held below them instead,
+        # so the index never keeps a removed sequence's tokens alive.
+        for node in path[1:]:
+            if node.source is tokens:
+                node.source = self._tokens[_held_below(node)]
 
     def longest_prefix(self, tokens: list[int]) -> tuple[Hashable | None, int]:
         """A key whose sequence shares the longest prefix with `tokens` (one that ends there,
@@ -99,11 +103,7 @@ class PrefixIndex:
             node, depth = child, child.start + matched
             if depth < child.end:
                 break
-        if depth == 0:
-            return None, 0
-        while not node.keys:  # every leaf holds a sequence
-            node = next(iter(node.children.values()))
-        return next(iter(node.keys)), depth
+        return (_held_below(node), depth) if depth else (None, 0)
 
     def prefixes_of(self, tokens: list[int]) -> list[Hashable]:
         """Keys of the sequences that are prefixes of `tokens` (equal ones included)."""
@@ -116,6 +116,14 @@ class PrefixIndex:
             depth = node.end
             found.extend(node.keys)
         return found
+
+
+def _held_below(node: _Node) -> Hashable:
+    """A sequence that ends at `node` or below it (every leaf holds one), the nearest on the
+    first branch."""
+    while not node.keys:
+        node = next(iter(node.children.values()))
+    return next(iter(node.keys))
 
 
 def _edge_match(node: _Node, tokens: list[int]) -> int:
