@@ -161,8 +161,8 @@ class AsyncEngine:
     async def _load_from_disk(self, prompt: list[int], namespace: str) -> None:
         """Bring the disk tier's longest prefix of `prompt` into the host cache before the
         request is queued, when it beats what the slots and the host cache hold. The lookup
-        (a directory rescan, a scan of every entry's tokens) and the read run in a thread of
-        their own: neither the event loop nor the scheduler waits for the disk."""
+        (now and then a directory rescan) and the read run in a thread of their own: neither
+        the event loop nor the scheduler waits for the disk."""
         await self._loop.run_in_executor(self._disk_reader, self._adopt_from_disk, prompt, namespace)
 
     def _adopt_from_disk(self, prompt: list[int], namespace: str) -> None:
