@@ -17,9 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import structured  # noqa: E402
+from bench.matrix import CTX, SLOTS  # noqa: E402  (as the matrix runs both servers)
 from fastrun_cpp.runtime.model_runtime import DETERMINISTIC_SWITCHES  # noqa: E402
-
-SLOTS, CTX = 16, 5120  # as bench/matrix.py runs both servers
 
 
 def main() -> int:

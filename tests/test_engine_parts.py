@@ -456,40 +456,43 @@ def test_a_garbage_collection_is_not_charged_to_the_grammar():
 
 
 def test_the_prefix_index_answers_as_comparing_every_sequence_would():
-    """Random sequences sharing prefixes of every length, added, replaced and removed: the
-    index's longest prefix, and the sequences that are prefixes of a prompt, are what comparing
-    the prompt with every held sequence gives; it references no removed sequence, and removing
-    all leaves an empty tree."""
+    """Random sequences in two namespaces, sharing prefixes of every length, added, replaced
+    (in either namespace) and removed: the index's longest prefix, and the sequences that are
+    prefixes of a prompt, are what comparing the prompt with every held sequence of its
+    namespace gives; it references no removed sequence, and removing all leaves no tree."""
     rng = random.Random(7)
     for _ in range(100):
-        index, held = PrefixIndex(), {}
+        index, held = PrefixIndex(), {}  # key -> (namespace, tokens)
         base = [rng.randrange(4) for _ in range(40)]
         for _ in range(150):
             if rng.random() < 0.6:
                 key = rng.randrange(50)
-                held[key] = base[:rng.randrange(41)] + [rng.randrange(4) for _ in range(rng.randrange(12))]
-                index.add(key, held[key])
+                held[key] = rng.choice("ab"), base[:rng.randrange(41)] + [rng.randrange(4)
+                                                                         for _ in range(rng.randrange(12))]
+                index.add(key, held[key][1], held[key][0])
             elif held:
                 key = rng.choice(list(held))
                 index.remove(key)
                 del held[key]
+            namespace = rng.choice("ab")
+            mine = {k: tokens for k, (ns, tokens) in held.items() if ns == namespace}
             prompt = base[:rng.randrange(41)] + [rng.randrange(4) for _ in range(rng.randrange(8))]
-            best = max((common_prefix_length(tokens, prompt) for tokens in held.values()), default=0)
-            key, length = index.longest_prefix(prompt)
+            best = max((common_prefix_length(tokens, prompt) for tokens in mine.values()), default=0)
+            key, length = index.longest_prefix(prompt, namespace)
             assert length == best
-            assert (key is None) if best == 0 else common_prefix_length(held[key], prompt) == best
-            assert sorted(index.prefixes_of(prompt)) == sorted(
-                k for k, tokens in held.items() if prompt[:len(tokens)] == tokens)
+            assert (key is None) if best == 0 else common_prefix_length(mine[key], prompt) == best
+            assert sorted(index.prefixes_of(prompt, namespace)) == sorted(
+                k for k, tokens in mine.items() if prompt[:len(tokens)] == tokens)
             # Edges read only from sequences still held (a removed one is not kept alive).
-            nodes = list(index._root.children.values())
+            nodes = [child for root in index._roots.values() for child in root.children.values()]
             while nodes:
                 node = nodes.pop()
-                assert any(node.source is tokens for tokens in held.values())
+                assert any(node.source is tokens for _, tokens in held.values())
                 nodes.extend(node.children.values())
         for key in list(held):
             index.remove(key)
         assert len(index) == 0 and index.longest_prefix(base) == (None, 0)
-        assert not index._root.children
+        assert not index._roots
 
 
 def test_the_host_tier_finds_the_longest_prefix_among_thousands_by_namespace():

@@ -127,7 +127,7 @@ class DiskPromptCache:
         self.directory = Path(directory) / namespace
         self.stats = DiskStats()
         self._entries: dict[Path, DiskEntry] = {}
-        self._index: dict[str, PrefixIndex] = {}  # by tenant: entry paths by their tokens
+        self._index = PrefixIndex()  # entry paths by their tokens, by tenant
         self._unreadable: set[tuple[Path, float]] = set()  # (path, mtime) already warned about
         self._lock = threading.Lock()
         self._writes: queue.Queue[tuple[list[int], np.ndarray] | None] = queue.Queue()
@@ -163,8 +163,7 @@ class DiskPromptCache:
             return None, 0
         self._rescan()
         with self._lock:
-            index = self._index.get(tenant_tag(namespace))
-            path, length = index.longest_prefix(tokens) if index is not None else (None, 0)
+            path, length = self._index.longest_prefix(tokens, tenant_tag(namespace))
             return (self._entries[path], length) if path is not None else (None, 0)
 
     def load(self, entry: DiskEntry) -> np.ndarray | None:
@@ -384,15 +383,12 @@ class DiskPromptCache:
     def _add(self, entry: DiskEntry) -> None:
         self._drop(entry.path)
         self._entries[entry.path] = entry
-        self._index.setdefault(entry.tenant, PrefixIndex()).add(entry.path, entry.tokens)
+        self._index.add(entry.path, entry.tokens, entry.tenant)
         self.stats.entries, self.stats.bytes = len(self._entries), self.stats.bytes + entry.nbytes
 
     def _drop(self, path: Path) -> None:
         entry = self._entries.pop(path, None)
         if entry is None:
             return
-        index = self._index[entry.tenant]
-        index.remove(path)
-        if not index:
-            del self._index[entry.tenant]
+        self._index.remove(path)
         self.stats.entries, self.stats.bytes = len(self._entries), self.stats.bytes - entry.nbytes

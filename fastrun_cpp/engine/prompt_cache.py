@@ -32,7 +32,7 @@ class PromptCache:
         self.capacity_bytes = capacity_bytes
         self.nbytes = 0
         self._entries: OrderedDict[int, CachedSequence] = OrderedDict()
-        self._index: dict[str, PrefixIndex] = {}  # by namespace: entry keys by their tokens
+        self._index = PrefixIndex()  # entry keys by their tokens, by namespace
         # The scheduler thread changes the cache; routers on other threads look into it.
         self._lock = threading.Lock()
 
@@ -47,8 +47,7 @@ class PromptCache:
         """The entry of `namespace` sharing the longest prefix with `tokens`, and that prefix's
         length."""
         with self._lock:
-            index = self._index.get(namespace)
-            key, length = index.longest_prefix(tokens) if index is not None else (None, 0)
+            key, length = self._index.longest_prefix(tokens, namespace)
             return (self._entries[key], length) if key is not None else (None, 0)
 
     def sequences(self) -> list[tuple[str, list[int]]]:
@@ -72,22 +71,18 @@ class PromptCache:
         if entry.nbytes > self.capacity_bytes:
             return 0
         with self._lock:
-            if (index := self._index.get(entry.namespace)) is not None:
-                for key in index.prefixes_of(entry.tokens):
-                    self._remove(self._entries[key])  # a prefix of the new entry: the new one serves all its hits
+            for key in self._index.prefixes_of(entry.tokens, entry.namespace):
+                self._remove(self._entries[key])  # a prefix of the new entry: the new one serves all its hits
             evicted = 0
             while self.nbytes + entry.nbytes > self.capacity_bytes:
                 self._remove(next(iter(self._entries.values())))
                 evicted += 1
             self._entries[entry.key] = entry
-            self._index.setdefault(entry.namespace, PrefixIndex()).add(entry.key, entry.tokens)
+            self._index.add(entry.key, entry.tokens, entry.namespace)
             self.nbytes += entry.nbytes
         return evicted
 
     def _remove(self, entry: CachedSequence) -> None:
         del self._entries[entry.key]
-        index = self._index[entry.namespace]
-        index.remove(entry.key)
-        if not index:
-            del self._index[entry.namespace]
+        self._index.remove(entry.key)
         self.nbytes -= entry.nbytes

@@ -33,22 +33,23 @@ class _Node:
 
 
 class PrefixIndex:
-    """Token sequences by key, answering "which share the longest prefix with this prompt" in
-    time that grows with the prompt, not with how many sequences are held (a cache of
-    thousands would otherwise compare every one at every admission): a radix tree."""
+    """Token sequences by key, each in a namespace (sequences of two namespaces never match),
+    answering "which shares the longest prefix with this prompt" in time that grows with the
+    prompt, not with how many sequences are held (a cache of thousands would otherwise compare
+    every one at every admission): a radix tree per namespace."""
 
     def __init__(self) -> None:
-        self._root = _Node([], 0, 0)
-        self._tokens: dict[Hashable, list[int]] = {}
+        self._roots: dict[str, _Node] = {}
+        self._held: dict[Hashable, tuple[str, list[int]]] = {}  # key -> (namespace, tokens)
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._held)
 
-    def add(self, key: Hashable, tokens: list[int]) -> None:
-        if key in self._tokens:
+    def add(self, key: Hashable, tokens: list[int], namespace: str = "") -> None:
+        if key in self._held:
             self.remove(key)
-        self._tokens[key] = tokens
-        node, depth = self._root, 0
+        self._held[key] = namespace, tokens
+        node, depth = self._roots.setdefault(namespace, _Node([], 0, 0)), 0
         while True:
             if depth == len(tokens):
                 node.keys.add(key)
@@ -67,10 +68,12 @@ class PrefixIndex:
             node, depth = child, child.end
 
     def remove(self, key: Hashable) -> None:
-        tokens = self._tokens.pop(key, None)
-        if tokens is None:
+        held = self._held.pop(key, None)
+        if held is None:
             return
-        path, node, depth = [self._root], self._root, 0
+        namespace, tokens = held
+        root = self._roots[namespace]
+        path, node, depth = [root], root, 0
         while depth < len(tokens):
             node = node.children[tokens[depth]]
             depth = node.end
@@ -85,16 +88,21 @@ class PrefixIndex:
                 path[-1].children[node.source[node.start]] = child
             else:
                 del path[-1].children[node.source[node.start]]
+        if not root.keys and not root.children:
+            del self._roots[namespace]
+            return
         # Edges read from the removed sequence read from one still held below them instead,
         # so the index never keeps a removed sequence's tokens alive.
         for node in path[1:]:
             if node.source is tokens:
-                node.source = self._tokens[_held_below(node)]
+                node.source = self._held[_held_below(node)][1]
 
-    def longest_prefix(self, tokens: list[int]) -> tuple[Hashable | None, int]:
-        """A key whose sequence shares the longest prefix with `tokens` (one that ends there,
-        if any does), and that prefix's length; (None, 0) when none shares a token."""
-        node, depth = self._root, 0
+    def longest_prefix(self, tokens: list[int], namespace: str = "") -> tuple[Hashable | None, int]:
+        """A key of `namespace` whose sequence shares the longest prefix with `tokens` (one that
+        ends there, if any does), and that prefix's length; (None, 0) when none shares a token."""
+        node, depth = self._roots.get(namespace), 0
+        if node is None:
+            return None, 0
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
             if child is None:
@@ -105,10 +113,13 @@ class PrefixIndex:
                 break
         return (_held_below(node), depth) if depth else (None, 0)
 
-    def prefixes_of(self, tokens: list[int]) -> list[Hashable]:
-        """Keys of the sequences that are prefixes of `tokens` (equal ones included)."""
-        found = list(self._root.keys)
-        node, depth = self._root, 0
+    def prefixes_of(self, tokens: list[int], namespace: str = "") -> list[Hashable]:
+        """Keys of the sequences of `namespace` that are prefixes of `tokens` (equal ones
+        included)."""
+        node, depth = self._roots.get(namespace), 0
+        if node is None:
+            return []
+        found = list(node.keys)
         while depth < len(tokens):
             node = node.children.get(tokens[depth])
             if node is None or node.start + _edge_match(node, tokens) < node.end:
