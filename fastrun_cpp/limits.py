@@ -35,7 +35,11 @@ class Limits(BaseModel):
     )
     pattern_length: int = Field(1000, ge=1, description="Characters of one schema pattern.")
     pattern_cost: int = Field(20000, ge=1, description="Grammar elements one pattern may expand to.")
-    number_bound: float = Field(1e15, gt=0, description="Largest magnitude of a numeric bound (minimum, maximum...).")
+    number_bound: float = Field(
+        2**53 - 1, gt=0, description="Largest magnitude of a numeric bound (minimum, maximum...) a grammar enforces: "
+        "JavaScript's Number.MAX_SAFE_INTEGER, which zod writes into tool schemas. Beyond it, a forced call or a "
+        "response format is refused; the tools of a tool_choice auto request are treated as unbounded."
+    )
     # Grammars, and the time their building may take.
     grammar_bytes: int = Field(1 << 20, ge=1024, description="Bytes of a generated grammar.")
     grammar_nesting: int = Field(128, ge=8, description="Nested groups in a generated grammar.")
@@ -46,7 +50,9 @@ class Limits(BaseModel):
     grammar_step_ms: float = Field(
         10, gt=0, description="CPU time a grammar may take for one token with a 128k-token vocabulary (ms; scaled "
         "for larger vocabularies): what one constrained request may cost every request decoding beside it. "
-        "llguidance's per-step fuel is set from it; a grammar past it ends its request."
+        "llguidance's per-step fuel is set from it, a count of work that holds on a busy machine as on an idle "
+        "one (past it, the request ends); a grammar's CPU time ends a request only past ten times this, as a "
+        "watchdog."
     )
     schema_timeout_s: float = Field(5, gt=0, description="Time to turn a schema into a grammar (s).")
     grammar_timeout_s: float = Field(10, gt=0, description="Time to compile a grammar (s).")

@@ -49,6 +49,10 @@ class SamplingDefaults(StrictModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=0, le=2)
+    # OpenAI's default is the rest of the context, and some clients never send one (Codex CLI):
+    # a small model may then talk on for thousands of tokens.
+    max_tokens: int | None = Field(None, ge=1, description="The longest answer of a chat or Responses request "
+                                   "that names no max_tokens.")
 
 
 class ModelConfig(StrictModel):
@@ -183,6 +187,8 @@ def model_from_settings(settings) -> ModelConfig:
     common = {name: getattr(settings, name) for name in MODEL_OVERRIDES if getattr(settings, name) is not None}
     if settings.n_gpu_layers is not None:
         common["gpu"] = GpuOptions(n_gpu_layers=settings.n_gpu_layers)
+    if settings.default_max_tokens is not None:
+        common["defaults"] = SamplingDefaults(max_tokens=settings.default_max_tokens)
     source = settings.model
     if source == DEFAULT_MODEL_ID:
         common.setdefault("embeddings", True)  # small enough to serve both out of the box

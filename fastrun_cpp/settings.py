@@ -99,6 +99,11 @@ class Settings(BaseSettings):
     spec_draft_max: int | None = _model_field("spec_draft_max")
     spec_draft_min: int | None = _model_field("spec_draft_min")
     draft_model: str | None = _model_field("draft_model")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="The longest answer of a chat or Responses request that names no max_tokens "
+        "(unset: the rest of the context, as OpenAI's; Codex CLI sends none). A registry sets it per model "
+        "(defaults.max_tokens).",
+    )
     threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.")
     backend: Literal["local", "ray"] = Field(
         "local", description="Where the engines run: in this process, or as a Ray Serve deployment of "

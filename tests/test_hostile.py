@@ -97,8 +97,10 @@ CHAT_CASES = {
     "tool schema 200 deep": {"tools": [weather_tool(nested(200))], "tool_choice": "required"},
     "tool maximum 1e400": {"tools": [weather_tool({"type": "object", "properties": {
         "t": {"type": "integer", "maximum": float("inf")}}})], "tool_choice": "required"},
+    # Forced: a call the model must make keeps its exact grammar (with tool_choice auto the
+    # bound is relaxed instead: tests/test_agent_tool_schemas.py).
     "tool huge maxLength": {"tools": [weather_tool({"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 10**7}}})]},
+        "city": {"type": "string", "maxLength": 10**7}}})], "tool_choice": "required"},
     "10000 tools": {"tools": [weather_tool({"type": "object"}, description=str(i)) for i in range(10000)]},
     "tool description of 3 MB": {"tools": [weather_tool({"type": "object"}, description="x " * 1_500_000)]},
     # Messages and their parts.
@@ -365,7 +367,13 @@ RESPONSES_CASES = {
         "type": "string", "pattern": "^(a?){3000}a+$"}}}},
     "10000 tools": {"input": "hi", "tools": [{"type": "function", "name": f"f{i}", "parameters": {"type": "object"}}
                                              for i in range(10000)]},
-    "a built-in tool": {"input": "hi", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]},
+    # Required: a hosted tool the model may choose is left out of the prompt instead.
+    "a built-in tool": {"input": "hi", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}],
+                        "tool_choice": "required"},
+    "tool_choice naming a hosted tool": {"input": "hi", "tools": [{"type": "web_search"}],
+                                         "tool_choice": {"type": "web_search_preview"}},
+    "a namespace of nothing callable": {"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "mcp", "server_label": "x"}]}]},
     "previous_response_id that does not exist": {"input": "hi", "previous_response_id": "resp_" + "0" * 32},
     "previous_response_id of 1 MB": {"input": "hi", "previous_response_id": "x" * 2**20},
     "a number for input": {"input": 5},
@@ -381,6 +389,10 @@ MESSAGES_CASES = {
     "tool schema 200 deep": {"tools": [{"name": "f", "input_schema": nested(200)}], "tool_choice": {"type": "any"}},
     "tool_choice naming no tool": {"tools": [{"name": "f", "input_schema": {"type": "object"}}],
                                    "tool_choice": {"type": "tool", "name": "g"}},
+    "tool_choice naming a tool, with no tools": {"tool_choice": {"type": "tool", "name": "g"}},
+    "tool_choice naming a server tool": {"tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                                         "tool_choice": {"type": "tool", "name": "web_search"}},
+    "max_tokens over Anthropic's maximum": {"max_tokens": 10**6},
     "deeply nested tool_use input": {"messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",

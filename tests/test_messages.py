@@ -126,8 +126,13 @@ def test_errors_come_in_anthropics_shape(server):
     unknown = httpx.post(url, json={"model": "nope", "max_tokens": 5, "messages": HELLO})
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     server_tool = httpx.post(url, json={"model": DEFAULT_MODEL, "max_tokens": 5, "messages": HELLO,
-                                        "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
-    assert server_tool.status_code == 400 and "web_search_20250305" in server_tool.json()["error"]["message"]
+                                        "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                                        "tool_choice": {"type": "tool", "name": "web_search"}})
+    assert server_tool.status_code == 400 and "web_search" in server_tool.json()["error"]["message"]
+    no_such_tool = httpx.post(url, json={"model": DEFAULT_MODEL, "max_tokens": 5, "messages": HELLO,
+                                         "tool_choice": {"type": "tool", "name": "nope"}})
+    assert no_such_tool.status_code == 400 and no_such_tool.json()["error"]["type"] == "invalid_request_error"
+    assert "nope" in no_such_tool.json()["error"]["message"]
     image = httpx.post(url, json={"model": DEFAULT_MODEL, "max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}]})
     assert image.status_code == 400 and image.json()["type"] == "error"
@@ -144,3 +149,96 @@ def test_x_api_key_authenticates(tmp_path):
             bad.messages.create(model=DEFAULT_MODEL, max_tokens=3, messages=HELLO)
         assert caught.value.body["type"] == "error"
         assert caught.value.body["error"]["type"] == "authentication_error"
+
+
+# ---------------------------------------------------------------- what Claude Code sends
+
+BILLING = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.1c9; cc_entrypoint=sdk-cli;"}
+SYSTEM = [{"type": "text", "cache_control": {"type": "ephemeral"}, "text": "You are a helpful assistant. " + " ".join(
+    f"Rule {i}: answer in plain words, without lists." for i in range(20))}]
+CLAUDE_CODE_FIELDS = {
+    "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "metadata": {"user_id": '{"device_id":"d1","account_uuid":"","session_id":"s-1"}'},
+}
+
+
+def post_message(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/messages?beta=true", timeout=120,
+                      headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"},
+                      json={"model": DEFAULT_MODEL, "temperature": 0, **body})
+
+
+def test_claude_codes_request_shape_is_served(server):
+    """max_tokens 32000 (capped by the context), a system message between turns, thinking
+    adaptive, output_config, context_management, a JSON user_id, a deferred tool and a server
+    tool: served, the deferred and server tools left out of the prompt."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]},
+                {"role": "system", "content": [{"type": "text", "text": "The user is in /tmp."}]}]
+    tools = [{**WEATHER_TOOL, "cache_control": {"type": "ephemeral"}},
+             {"name": "Later", "description": "deferred", "input_schema": {"type": "object"}, "defer_loading": True},
+             {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
+    answer = post_message(server, max_tokens=32000, system=[BILLING, *SYSTEM], messages=messages, tools=tools,
+                          **CLAUDE_CODE_FIELDS)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+    count = httpx.post(f"{server.base_url}/messages/count_tokens", json={
+        "model": DEFAULT_MODEL, "system": SYSTEM, "messages": messages, "tools": tools}).json()["input_tokens"]
+    alone = httpx.post(f"{server.base_url}/messages/count_tokens", json={
+        "model": DEFAULT_MODEL, "system": SYSTEM, "messages": messages, "tools": [WEATHER_TOOL]}).json()["input_tokens"]
+    assert count == alone  # the deferred and server tools are not in the prompt
+    usage = answer.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == count
+
+
+def test_max_tokens_beyond_the_context_ends_with_max_tokens(server):
+    """Anthropic's bound, not chat's 16384: the answer is cut where the 2048-token context ends."""
+    long_prompt = [{"role": "user", "content": "Continue this list: " + " ".join(["one two three"] * 600)}]
+    answer = post_message(server, max_tokens=100000, messages=long_prompt, extra={"ignored": True})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    usage = body["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["output_tokens"] <= 2048
+    assert body["stop_reason"] in ("end_turn", "max_tokens")
+    too_many = post_message(server, max_tokens=128001, messages=HELLO)
+    assert too_many.status_code == 400 and "max_tokens" in too_many.json()["error"]["message"]
+
+
+def test_the_billing_header_changes_nothing(server):
+    """Claude Code's billing block is left out of the prompt: the same answer at temperature 0,
+    the same prompt, and a request whose block differs reuses the cached prefix whole."""
+    question = [{"role": "user", "content": "Name three colours."}]
+    plain = post_message(server, max_tokens=20, system=SYSTEM, messages=question).json()
+    billed = post_message(server, max_tokens=20, system=[BILLING, *SYSTEM], messages=question).json()
+    other = {"type": "text", "text": "x-anthropic-billing-header: cc_version=9.9.9.fff; cc_entrypoint=cli;"}
+    rebilled = post_message(server, max_tokens=20, system=[other, *SYSTEM], messages=question).json()
+    assert billed["content"] == plain["content"] == rebilled["content"]
+    total = plain["usage"]["input_tokens"] + plain["usage"]["cache_read_input_tokens"]
+    assert billed["usage"]["input_tokens"] + billed["usage"]["cache_read_input_tokens"] == total
+    assert rebilled["usage"]["cache_read_input_tokens"] >= total - 1
+
+
+# A template that takes a system message only first, as Qwen's raise for Claude Code's requests.
+SYSTEM_FIRST_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_system_message_between_turns_fits_a_template_that_refuses_it(tmp_path):
+    """Claude Code's system messages between turns: a template that takes a system message
+    only first still renders the request, the notes joined to the user turn they precede."""
+    template = tmp_path / "system-first.jinja"
+    template.write_text(SYSTEM_FIRST_TEMPLATE)
+    with run_server("--chat-template-file", str(template), "--slots", "1", "--ctx-size", "1024",
+                    log_dir=tmp_path) as server:
+        messages = [{"role": "user", "content": "Hello."},
+                    {"role": "system", "content": "The user is in /tmp."},
+                    {"role": "user", "content": "Where am I?"}]
+        answer = post_message(server, max_tokens=8, system="You are brief.", messages=messages)
+        assert answer.status_code == 200, answer.text
+        plain = post_message(server, max_tokens=8, system="You are brief.", messages=[
+            {"role": "user", "content": "Hello."}, {"role": "user", "content": "The user is in /tmp.\n\nWhere am I?"}])
+        assert answer.json()["content"] == plain.json()["content"]

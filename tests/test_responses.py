@@ -150,13 +150,21 @@ def test_retrieve_and_delete(client, http):
         client.responses.create(model=DEFAULT_MODEL, input="Hi", previous_response_id=not_stored.id)
 
 
-@pytest.mark.parametrize("tool", [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["x"]},
+@pytest.mark.parametrize("tool", [{"type": "web_search", "external_web_access": False},
+                                  {"type": "file_search", "vector_store_ids": ["x"]},
                                   {"type": "computer_use_preview", "display_width": 1, "display_height": 1,
                                    "environment": "linux"}])
-def test_built_in_tools_are_refused_by_name(http, tool):
-    answer = http.post("/responses", json={"model": DEFAULT_MODEL, "input": "hi", "tools": [tool]})
-    assert answer.status_code == 400
-    assert tool["type"] in answer.json()["error"]["message"]
+def test_built_in_tools_are_left_out_unless_required(http, tool):
+    """A hosted tool runs nowhere here: with `auto` it is not offered (and kept in the
+    response's tools); required, it is a 400 that names it."""
+    offered = http.post("/responses", json={"model": DEFAULT_MODEL, "input": "hi", "tools": [tool, WEATHER_TOOL],
+                                            "max_output_tokens": 4})
+    assert offered.status_code == 200, offered.text
+    assert offered.json()["tools"][0]["type"] == tool["type"]
+    required = http.post("/responses", json={"model": DEFAULT_MODEL, "input": "hi", "tools": [tool],
+                                             "tool_choice": "required"})
+    assert required.status_code == 400
+    assert tool["type"] in required.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body", [
@@ -189,3 +197,112 @@ def test_stored_responses_belong_to_their_account(tmp_path):
         with pytest.raises(openai.NotFoundError):
             as_bob.responses.delete(response.id)
         assert httpx.get(f"{s.base_url}/responses/{response.id}").status_code == 401
+
+
+# ---------------------------------------------------------------- what Codex CLI sends
+
+
+def test_a_namespace_tools_call_comes_back_with_its_namespace(client):
+    """Codex's MCP tools come in a namespace: the call names the function and its namespace
+    apart, and the call and its output continue the conversation."""
+    namespace = {"type": "namespace", "name": "weather_server", "description": "Weather tools.",
+                 "tools": [{**WEATHER_TOOL, "strict": False}]}
+    response = client.responses.create(model=DEFAULT_MODEL, input="What is the weather in Oslo?", tools=[namespace],
+                                        tool_choice="required", temperature=0, max_output_tokens=60, store=False)
+    raw = response.model_dump()
+    calls = [item for item in raw["output"] if item["type"] == "function_call"]
+    assert calls and calls[0]["name"] == "get_weather" and calls[0]["namespace"] == "weather_server"
+    assert "city" in json.loads(calls[0]["arguments"])
+    follow_up = client.responses.create(model=DEFAULT_MODEL, tools=[namespace], temperature=0, max_output_tokens=20,
+                                        store=False, input=[
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"type": "function_call", "call_id": calls[0]["call_id"], "name": "get_weather",
+         "namespace": "weather_server", "arguments": calls[0]["arguments"]},
+        {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "Sunny, 21 degrees"}])
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output_text is not None
+    assert follow_up.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_custom_tools_call_is_a_custom_tool_call(http, streamed):
+    tool = {"type": "custom", "name": "shell", "description": "Run a shell command; the input is the command.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: /[a-z ]+/"}}
+    body = {"model": DEFAULT_MODEL, "input": "List the files here.", "tools": [tool], "tool_choice": "required",
+            "temperature": 0, "max_output_tokens": 60, "store": False, "stream": streamed}
+    if streamed:
+        with http.stream("POST", "/responses", json=body) as answer:
+            assert answer.status_code == 200
+            events = [json.loads(line[5:]) for line in answer.iter_lines() if line.startswith("data:")]
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert any(e["type"] == "response.custom_tool_call_input.done" for e in events)
+    else:
+        answer = http.post("/responses", json=body)
+        assert answer.status_code == 200, answer.text
+        done = answer.json()["output"]
+    calls = [item for item in done if item["type"] == "custom_tool_call"]
+    assert calls and calls[0]["name"] == "shell" and isinstance(calls[0]["input"], str) and calls[0]["call_id"]
+    assert not [item for item in done if item["type"] == "function_call"]
+
+
+def test_codexs_request_shape_is_served(http):
+    """store false, include, reasoning summary, prompt_cache_key, client_metadata, developer
+    messages with ids, a max_output_tokens beyond chat's 16384: served, twice with a cache hit."""
+    body = {"model": DEFAULT_MODEL, "stream": False, "store": False, "include": ["reasoning.encrypted_content"],
+            "reasoning": {"summary": "auto"}, "prompt_cache_key": "thread-1", "tool_choice": "auto",
+            "parallel_tool_calls": True, "client_metadata": {"x-codex-turn-metadata": "{}"},
+            "max_output_tokens": 20000, "temperature": 0,
+            "tools": [{"type": "function", "name": "exec_command", "strict": False, "parameters": {
+                "type": "object", "properties": {"cmd": {"type": "string"}, "yield_time_ms": {
+                    "type": "number", "maximum": 9007199254740991}}, "required": ["cmd"]}},
+                {"type": "web_search", "external_web_access": False}],
+            "input": [{"type": "message", "id": "msg_1", "role": "developer",
+                       "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+                      {"type": "message", "id": "msg_2", "role": "user",
+                       "content": [{"type": "input_text", "text": "Say hi."}]}]}
+    first = http.post("/responses", json=body)
+    assert first.status_code == 200, first.text
+    second = http.post("/responses", json={**body, "input": body["input"] + [
+        {"type": "reasoning", "summary": [], "content": None, "encrypted_content": None},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again."}]}]})
+    assert second.status_code == 200, second.text
+    first_prompt = first.json()["usage"]["input_tokens"]
+    assert second.json()["usage"]["input_tokens_details"]["cached_tokens"] >= first_prompt - 1
+
+
+def test_reasoning_round_trips_sealed_for_its_account(tmp_path):
+    """With store false and include reasoning.encrypted_content, the reasoning item carries a
+    sealed copy of its text; sent back by the same account it goes into the prompt (the prompt
+    grows by it), by another account it is left out, and a forged one is left out."""
+    from tests.test_keys import create_key
+    from tests.test_reasoning import THINKING_TEMPLATE
+
+    template = tmp_path / "think.jinja"
+    template.write_text(THINKING_TEMPLATE.replace(
+        "{{ message['content'] }}", "{% if message.reasoning_content %}<think>{{ message.reasoning_content }}"
+        "</think>{% endif %}{{ message['content'] }}"))
+    db = tmp_path / "keys.sqlite3"
+    alice, bob = create_key(db, "alice"), create_key(db, "bob")
+    with run_server("--chat-template-file", str(template), "--slots", "1", "--ctx-size", "1024",
+                    log_dir=tmp_path, env={"FASTRUN_KEYS_DB": str(db)}) as server:
+        def respond(key, items):
+            answer = httpx.post(f"{server.base_url}/responses", headers={"Authorization": f"Bearer {key}"}, json={
+                "model": DEFAULT_MODEL, "input": items, "store": False, "include": ["reasoning.encrypted_content"],
+                "reasoning": {"effort": "low"}, "max_output_tokens": 40, "temperature": 0}, timeout=120)
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+        question = [{"role": "user", "content": "What is 12 times 3?"}]
+        first = respond(alice, question)
+        reasoning = [item for item in first["output"] if item["type"] == "reasoning"]
+        assert reasoning and reasoning[0]["encrypted_content"]
+        sealed = reasoning[0]["encrypted_content"]
+        assert reasoning[0]["content"][0]["text"] not in sealed  # not the text as is
+        follow = [{"role": "assistant", "content": "36"}, {"role": "user", "content": "And 12 times 4?"}]
+        without = respond(alice, question + follow)["usage"]["input_tokens"]
+        item = {"type": "reasoning", "summary": [], "encrypted_content": sealed}
+        with_it = respond(alice, question + [item] + follow)["usage"]["input_tokens"]
+        assert with_it > without
+        assert respond(bob, question + [item] + follow)["usage"]["input_tokens"] == without
+        forged = {**item, "encrypted_content": sealed[:-4] + "AAAA"}
+        assert respond(alice, question + [forged] + follow)["usage"]["input_tokens"] == without

@@ -7,6 +7,7 @@ from fastrun_cpp.engine.routing import (
     BLOCK_TOKENS,
     PrefixMemory,
     ReplicaLoad,
+    SessionMemory,
     block_hashes,
     cached_tokens,
     held_hashes,
@@ -75,3 +76,26 @@ def test_memory_is_bounded():
     memory = PrefixMemory(capacity=5)
     memory.remember(block_hashes(SYSTEM_A), "r1")
     assert memory.tenants("r1") == 5
+
+
+def test_a_conversation_goes_back_to_the_replica_that_served_it():
+    """The session hint (prompt_cache_key, Claude Code's session) breaks what the cache cannot:
+    no replica holds the prompt yet (a turn still being read elsewhere), both are free."""
+    sessions = SessionMemory()
+    sessions.remember("ns", "thread-1", "b")
+    last = sessions.replica("ns", "thread-1")
+    ranked = rank_replicas([ReplicaLoad(key, 0, 0, 0, 4, session=key == last) for key in ("a", "b")])
+    assert ranked[0] == "b"
+    # A cached prefix still counts first, and a queue is still not worth it.
+    assert rank_replicas([ReplicaLoad("a", 640, 0, 0, 4), ReplicaLoad("b", 0, 0, 0, 4, session=True)])[0] == "a"
+    assert rank_replicas([ReplicaLoad("a", 0, 1, 0, 4), ReplicaLoad("b", 0, 4, 2, 4, session=True)])[0] == "a"
+    assert sessions.replica("other-namespace", "thread-1") is None and sessions.replica("ns", "") is None
+
+
+def test_sessions_are_bounded_and_forget_dead_replicas():
+    sessions = SessionMemory(capacity=3)
+    for index in range(5):
+        sessions.remember("", f"s{index}", "a" if index % 2 else "b")
+    assert sessions.replica("", "s0") is None and sessions.replica("", "s4") == "b"
+    sessions.forget("b")
+    assert sessions.replica("", "s4") is None and sessions.replica("", "s3") == "a"

@@ -16,7 +16,7 @@ from fastrun_cpp.engine.stats import EngineStats
 from fastrun_cpp.engine.errors import CapacityError, EngineError
 from fastrun_cpp.engine.failover import FailoverStream
 from fastrun_cpp.engine.request import GenerationRequest
-from fastrun_cpp.engine.routing import ReplicaLoad, rank_replicas
+from fastrun_cpp.engine.routing import ReplicaLoad, SessionMemory, rank_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class EnginePool:
             raise ValueError("a pool needs at least one engine")
         self._replicas = [_Replica(i, engine) for i, engine in enumerate(engines)]
         self.disk_cache = disk_cache  # shared by the replicas
+        self._sessions = SessionMemory()
 
     # ------------------------------------------------------------------ what one engine offers
 
@@ -139,7 +140,9 @@ class EnginePool:
         for replica in ranked:
             replica.submitting += 1
             try:
-                return await replica.engine.submit(request)
+                stream = await replica.engine.submit(request)
+                self._sessions.remember(request.cache_namespace, request.session, replica.index)
+                return stream
             except CapacityError as exc:  # this one is full: the next may not be
                 retry_after = exc.retry_after_s if retry_after is None else min(retry_after, exc.retry_after_s)
                 over_share = over_share and exc.over_share
@@ -147,15 +150,17 @@ class EnginePool:
                 replica.submitting -= 1
         raise CapacityError(retry_after or 1, over_share=over_share)
 
-    @staticmethod
-    def _ranked(candidates: list[_Replica], request: GenerationRequest) -> list[_Replica]:
-        """Best first, by what each holds of the prompt and its load (routing.rank_replicas)."""
+    def _ranked(self, candidates: list[_Replica], request: GenerationRequest) -> list[_Replica]:
+        """Best first, by what each holds of the prompt, the conversation it served last, and
+        its load (routing.rank_replicas)."""
+        last = self._sessions.replica(request.cache_namespace, request.session)
         loads = []
         for replica in candidates:
             engine = replica.engine.engine
             running, waiting = engine.load()
             loads.append(ReplicaLoad(replica.index, engine.kv_cache.cached_prefix(request.prompt_tokens,
                                                                                  request.cache_namespace),
-                                     running, waiting + replica.submitting, engine.config.slots))
+                                     running, waiting + replica.submitting, engine.config.slots,
+                                     session=replica.index == last))
         by_index = {replica.index: replica for replica in candidates}
         return [by_index[index] for index in rank_replicas(loads)]

@@ -40,6 +40,9 @@ class GenerationRequest:
     account: str = ""
     weight: float = 1.0
     priority: int = 0
+    # A routing hint: the conversation this request continues (prompt_cache_key, an agent's
+    # session id); its turns go to the replica that served the last one.
+    session: str = ""
     embed_inputs: list[list[int]] | None = None  # kind "embed": the token lists to embed, in order
 
 

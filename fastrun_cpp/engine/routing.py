@@ -60,6 +60,7 @@ class ReplicaLoad:
     waiting: int  # requests queued for a slot
     slots: int
     tenants: int = 0  # prefixes it already serves: a new one goes where there are fewest
+    session: bool = False  # it served the request's conversation last (prompt_cache_key, agent session)
 
     @property
     def load(self) -> int:
@@ -74,13 +75,16 @@ def rank_replicas(replicas: Sequence[ReplicaLoad], *, imbalance: int = IMBALANCE
     """Replica keys, best first.
 
     A replica with a free slot beats one where the request would wait; among those, the
-    longest cached prefix wins, then the lightest load, then the one serving fewest prefixes
-    (a new prefix spreads out). But a cached prefix is not worth a queue: when the best-cached
-    replica carries `imbalance` more requests than the lightest, the lightest goes first.
+    longest cached prefix wins, then the one that served the request's conversation last (its
+    prefix may be on the way, or in that replica's host tier), then the lightest load, then the
+    one serving fewest prefixes (a new prefix spreads out). But a cached prefix is not worth a
+    queue: when the best-cached replica carries `imbalance` more requests than the lightest,
+    the lightest goes first.
     """
     if not replicas:
         return []
-    ordered = sorted(replicas, key=lambda r: (not r.has_free_slot, -r.cached, r.load, r.tenants, str(r.key)))
+    ordered = sorted(replicas, key=lambda r: (not r.has_free_slot, -r.cached, not r.session, r.load, r.tenants,
+                                              str(r.key)))
     lightest = min(replicas, key=lambda r: (r.load, str(r.key)))
     if ordered[0].load - lightest.load >= imbalance:
         ordered.remove(lightest)
@@ -120,3 +124,29 @@ class PrefixMemory:
     def forget(self, replica: Hashable) -> None:
         for digest in [d for d, where in self._where.items() if where == replica]:
             del self._where[digest]
+
+
+class SessionMemory:
+    """Which replica served each conversation last (a client's prompt_cache_key, an agent's
+    session id), bounded: its next turn goes back there."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        from collections import OrderedDict
+
+        self._capacity = capacity
+        self._where: OrderedDict[tuple[str, str], Hashable] = OrderedDict()
+
+    def remember(self, namespace: str, session: str, replica: Hashable) -> None:
+        if not session:
+            return
+        self._where[(namespace, session)] = replica
+        self._where.move_to_end((namespace, session))
+        while len(self._where) > self._capacity:
+            self._where.popitem(last=False)
+
+    def replica(self, namespace: str, session: str) -> Hashable | None:
+        return self._where.get((namespace, session)) if session else None
+
+    def forget(self, replica: Hashable) -> None:
+        for key in [key for key, where in self._where.items() if where == replica]:
+            del self._where[key]

@@ -74,9 +74,10 @@ class ModelRuntime:
         if n_prompt_tokens == 0:
             raise PromptTooLongError("the prompt is empty")
         if n_prompt_tokens >= self.info.max_context:
+            # Worded as Anthropic's, which Claude Code reads to compact its history.
             raise PromptTooLongError(
-                f"the prompt is {n_prompt_tokens} tokens long, but the context window is "
-                f"{self.info.max_context} tokens (prompt and answer together)"
+                f"prompt is too long: {n_prompt_tokens} tokens > {self.info.max_context - 1} maximum (the context "
+                f"window is {self.info.max_context} tokens, prompt and answer together)"
             )
 
     async def close(self) -> None:

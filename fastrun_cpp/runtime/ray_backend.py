@@ -48,6 +48,7 @@ from fastrun_cpp.engine.routing import (
     IMBALANCE_THRESHOLD,
     PrefixMemory,
     ReplicaLoad,
+    SessionMemory,
     block_hashes,
     cached_tokens,
     held_hashes,
@@ -224,6 +225,7 @@ class FastrunRouter(RequestRouter):
         self._affinity = affinity
         self._imbalance = imbalance
         self._memory = PrefixMemory(remembered)
+        self._sessions = SessionMemory(remembered)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -239,6 +241,7 @@ class FastrunRouter(RequestRouter):
             return [sorted(drawn, key=lambda r: self._replica_queue_len_cache.get(r.replica_id) or 0)]
         prompt, namespace = _prompt_of(pending_request)
         hashes = block_hashes(prompt, namespace) if prompt else []
+        last = self._sessions.replica(namespace, _session_of(pending_request))
         loads = []
         for replica in candidates:
             stats = replica.routing_stats or {}
@@ -251,17 +254,27 @@ class FastrunRouter(RequestRouter):
             else:
                 running, waiting = min(queued, slots), max(0, queued - slots)
             loads.append(ReplicaLoad(replica.replica_id, cached, running, waiting, slots,
-                                     self._memory.tenants(replica.replica_id)))
+                                     self._memory.tenants(replica.replica_id), session=replica.replica_id == last))
         by_id = {replica.replica_id: replica for replica in candidates}
         return [[by_id[key]] for key in rank_replicas(loads, imbalance=self._imbalance)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         if pending_request.metadata.call_method == "generate":
-            self._memory.remember(block_hashes(*_prompt_of(pending_request)), replica_id)
+            prompt, namespace = _prompt_of(pending_request)
+            self._memory.remember(block_hashes(prompt, namespace), replica_id)
+            self._sessions.remember(namespace, _session_of(pending_request), replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._memory.forget(replica_id)
+        self._sessions.forget(replica_id)
+
+
+def _session_of(pending_request: PendingRequest | None) -> str:
+    """The conversation a generate call continues (its routing hint), if it names one."""
+    if pending_request is None or not pending_request.args or pending_request.metadata.call_method != "generate":
+        return ""
+    return getattr(pending_request.args[0], "session", "") or ""
 
 
 def _prompt_of(pending_request: PendingRequest | None) -> tuple[list[int], str]:

@@ -49,7 +49,7 @@ def _convert(kind: str, payload: dict[str, Any]) -> str:
         return schema_to_gbnf(payload["schema"], strict=payload["strict"])
     call_format = ToolCallFormat(**payload["format"])
     functions = [(f["name"], f["parameters"], f["strict"]) for f in payload["functions"]]
-    return tool_calls_gbnf(functions, call_format.call_rule, call_format.calls_rule)
+    return tool_calls_gbnf(functions, call_format.call_rule, call_format.calls_rule, relaxed=payload["relaxed"])
 
 
 def _serve(connection: Connection, hang_on_request: bool) -> None:
@@ -113,18 +113,32 @@ class GrammarBuilder:
         self._check(schema, "the schema")
         return await self._build("schema", {"schema": schema, "strict": strict})
 
-    async def tool_grammar(self, functions: list[tuple[str, Any, bool]], call_format: ToolCallFormat) -> str:
+    async def tool_grammar(self, functions: list[tuple[str, Any, bool]], call_format: ToolCallFormat, *,
+                           relaxed: bool = False) -> str:
         """GBNF for tool calls of these functions (name, parameters, strict) written in
-        `call_format`; raises BuildError."""
-        for name, parameters, _ in functions:
-            self._check(parameters, f"function {name!r}: the parameters")
-        payload = {"functions": [{"name": n, "parameters": p, "strict": s} for n, p, s in functions],
-                   "format": dataclasses.asdict(call_format)}
+        `call_format`; raises BuildError.
+
+        `relaxed` (the model may choose not to call, `tool_choice: auto`): no schema fails the
+        request. What breaks a bound or cannot be enforced is left out of the grammar (the
+        caller checks the arguments after), and a function whose schema is too large, or
+        cannot be converted at all, takes any JSON object as its arguments."""
+        checked = []
+        for name, parameters, strict in functions:
+            where = f"function {name!r}: the parameters"
+            try:
+                parameters = self._check(parameters, where, relaxed=relaxed)
+            except BuildError as exc:
+                if not relaxed:
+                    raise
+                logger.info("%s: its arguments are not constrained (%s)", where, exc)
+                parameters = {"type": "object"}
+            checked.append({"name": name, "parameters": parameters, "strict": strict and not relaxed})
+        payload = {"functions": checked, "format": dataclasses.asdict(call_format), "relaxed": relaxed}
         return await self._build("tools", payload)
 
-    def _check(self, schema: Any, where: str) -> None:
+    def _check(self, schema: Any, where: str, *, relaxed: bool = False) -> Any:
         try:
-            check_schema_bounds(schema, self.limits, where)
+            return check_schema_bounds(schema, self.limits, where, relaxed=relaxed)
         except (SchemaBoundsError, PatternError) as exc:
             raise BuildError(str(exc)) from exc
 

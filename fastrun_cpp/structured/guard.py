@@ -2,12 +2,20 @@
 llama.cpp (a repetition of thousands becomes thousands of nested grammar groups, and its parser
 recurses once per level), hang the converter (a pattern it mis-parses), or take minutes.
 
+Exact schemas (response formats, forced tool calls) are refused with the limit or keyword they
+break. Relaxed schemas (the tools of a `tool_choice: auto` request: real clients write bounds
+like JavaScript's `Number.MAX_SAFE_INTEGER` and patterns in dialects no grammar takes) lose the
+keywords that break a bound instead, and are checked after generation; only the size of the
+schema itself (depth, subschemas) is still refused, and the caller then leaves that tool's
+arguments unconstrained.
+
 Everything here is iterative: a schema nested 100,000 deep is refused, not recursed into.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from fastrun_cpp.limits import LimitExceeded, Limits
@@ -29,10 +37,18 @@ class PatternError(ValueError):
     """A pattern outside the regex dialect grammars are built from."""
 
 
-def check_schema_bounds(schema: Any, limits: Limits, where: str = "the schema") -> None:
-    """Raise SchemaBoundsError (naming the limit) or PatternError for a schema too deep, too
-    big, with too large a repetition or numeric bound, or with a pattern the grammar's regex
-    dialect cannot take."""
+def check_schema_bounds(schema: Any, limits: Limits, where: str = "the schema", *, relaxed: bool = False) -> Any:
+    """The schema, once it is within bounds. Raise SchemaBoundsError (naming the limit) or
+    PatternError for a schema too deep, too big, with too large a repetition or numeric bound,
+    or with a pattern the grammar's regex dialect cannot take; `relaxed`, return a copy without
+    the keywords that break a bound or the dialect (depth and size are still refused)."""
+    dropped: dict[int, set[str]] = {}  # id(subschema) -> keywords left out (relaxed)
+
+    def keyword_fails(node: dict, keyword: str, error: ValueError) -> None:
+        if not relaxed:
+            raise error
+        dropped.setdefault(id(node), set()).add(keyword)
+
     stack: list[tuple[Any, int, str]] = [(schema, 1, "#")]
     nodes = 0
     while stack:
@@ -51,16 +67,20 @@ def check_schema_bounds(schema: Any, limits: Limits, where: str = "the schema") 
         for keyword in _REPEAT_KEYWORDS:
             value = node.get(keyword)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limits.repetition:
-                raise SchemaBoundsError("repetition", f"{where}: {keyword} {value} at {path} is over {limits.repetition}")
+                keyword_fails(node, keyword, SchemaBoundsError(
+                    "repetition", f"{where}: {keyword} {value} at {path} is over {limits.repetition}"))
         for keyword in _NUMBER_KEYWORDS:
             value = node.get(keyword)
             if isinstance(value, float) and not math.isfinite(value):
                 raise PatternError(f"{where}: {keyword} at {path} must be a finite number")
             if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > limits.number_bound:
-                raise SchemaBoundsError("number_bound", f"{where}: {keyword} {value} at {path} is beyond "
-                                        f"±{limits.number_bound:g}")
+                keyword_fails(node, keyword, SchemaBoundsError(
+                    "number_bound", f"{where}: {keyword} {value} at {path} is beyond ±{limits.number_bound:g}"))
         if isinstance(node.get("pattern"), str):
-            check_pattern(node["pattern"], limits, f"{where}: the pattern at {path}")
+            try:
+                check_pattern(node["pattern"], limits, f"{where}: the pattern at {path}")
+            except (PatternError, SchemaBoundsError) as exc:
+                keyword_fails(node, "pattern", exc)
         for keyword in ("enum", "const", "default", "examples"):
             if keyword in node:
                 _check_value_depth(node[keyword], depth, limits, f"{where}: {keyword} at {path}")
@@ -76,6 +96,18 @@ def check_schema_bounds(schema: Any, limits: Limits, where: str = "the schema") 
                 nodes += len(members)
                 for name, sub in members.items():
                     stack.append((sub, depth + 1, f"{path}/{keyword}/{name}"))
+    return _without(schema, dropped) if dropped else schema
+
+
+def _without(node: Any, dropped: dict[int, set[str]]) -> Any:
+    """A copy of `node` with the keywords `dropped` names left out of the subschemas they
+    belong to (recursive: the schema's depth is within bounds by now)."""
+    if isinstance(node, list):
+        return [_without(item, dropped) for item in node]
+    if not isinstance(node, dict):
+        return node
+    leave_out = dropped.get(id(node), ())
+    return {key: _without(value, dropped) for key, value in node.items() if key not in leave_out}
 
 
 def _check_value_depth(value: Any, depth: int, limits: Limits, where: str) -> None:
@@ -92,12 +124,16 @@ def _check_value_depth(value: Any, depth: int, limits: Limits, where: str) -> No
 
 _ESCAPABLE = set(r".^$|?*+()[]{}/\-")
 _SHORTHAND = set("dwstnr")
+_NEGATED_SHORTHAND = set("DWS")  # outside a class only: [^...] of the class it negates
+# A class and its negation, JavaScript's idiom for "any character, newlines too" (`.` here).
+ANY_CHARACTER = tuple(f"[\\{a}\\{b}]" for pair in ("sS", "dD", "wW") for a, b in (pair, pair[::-1]))
 
 
 def check_pattern(pattern: str, limits: Limits, where: str = "the pattern") -> None:
     """Accept only the regex dialect the grammar converter handles: literals, `.`, classes,
-    groups, alternation, quantifiers `* + ? {m} {m,} {m,n}`, anchors at the ends, and the
-    escapes \\d \\w \\s \\t \\n \\r, \\xHH, \\uHHHH and escaped punctuation. Repetitions stay
+    groups (plain, `(?:...)` and named), alternation, quantifiers `* + ? {m} {m,} {m,n}`,
+    anchors at the ends, and the escapes \\d \\w \\s \\t \\n \\r, \\D \\W \\S (outside classes, and
+    `[\\s\\S]` for any character), \\xHH, \\uHHHH and escaped punctuation. Repetitions stay
     within the limit, and so does what the whole pattern expands to. (The converter loops
     forever on a stray ']' or '}', and crashes on what it does not know.)"""
     if len(pattern) > limits.pattern_length:
@@ -109,22 +145,25 @@ def check_pattern(pattern: str, limits: Limits, where: str = "the pattern") -> N
     while index < length:
         char = pattern[index]
         if char == "\\":
-            index = _escape_end(pattern, index, where)
+            index = _escape_end(pattern, index, where, in_class=False)
             last = 1
             costs[-1] += last
             continue
         if char == "[":
-            index = _class_end(pattern, index, where)
+            index = index + len(ANY_CHARACTER) if pattern.startswith(ANY_CHARACTER, index) \
+                else _class_end(pattern, index, where)
             last = 1
             costs[-1] += last
             continue
         if char == "(":
-            if pattern.startswith("(?", index):
-                raise PatternError(f"{where}: (?...) groups are not supported (at {index}); use plain ( )")
+            opening = plain_group_opening(pattern, index)
+            if opening is None:
+                raise PatternError(f"{where}: lookarounds, flags and backreferences ((?=, (?!, (?i...) are not "
+                                   f"supported (at {index})")
             costs.append(0)
             if len(costs) > limits.schema_depth:
                 raise SchemaBoundsError("schema_depth", f"{where} nests groups deeper than {limits.schema_depth}")
-            index += 1
+            index += len(opening)
             last = 0
             continue
         if char == ")":
@@ -178,12 +217,28 @@ def check_pattern(pattern: str, limits: Limits, where: str = "the pattern") -> N
         raise SchemaBoundsError("pattern_cost", f"{where} expands to over {limits.pattern_cost} grammar elements")
 
 
-def _escape_end(pattern: str, index: int, where: str) -> int:
+_NAMED_GROUP = re.compile(r"\(\?P?<[A-Za-z_][A-Za-z0-9_]*>")
+
+
+def plain_group_opening(pattern: str, index: int) -> str | None:
+    """The text opening the group at `index` when it only groups: `(`, `(?:` or a named
+    group's `(?<name>` / `(?P<name>`; None for a lookaround or an inline flag."""
+    if not pattern.startswith("(?", index):
+        return "("
+    if pattern.startswith("(?:", index):
+        return "(?:"
+    named = _NAMED_GROUP.match(pattern, index)
+    return named.group(0) if named else None
+
+
+def _escape_end(pattern: str, index: int, where: str, *, in_class: bool = True) -> int:
     if index + 1 >= len(pattern):
         raise PatternError(f"{where}: it ends with a lone backslash")
     escaped = pattern[index + 1]
-    if escaped in _ESCAPABLE or escaped in _SHORTHAND:
+    if escaped in _ESCAPABLE or escaped in _SHORTHAND or (escaped in _NEGATED_SHORTHAND and not in_class):
         return index + 2
+    if escaped in _NEGATED_SHORTHAND:
+        raise PatternError(f"{where}: \\{escaped} inside a character class is not supported")
     if escaped in "xu":
         digits = 2 if escaped == "x" else 4
         code = pattern[index + 2 : index + 2 + digits]

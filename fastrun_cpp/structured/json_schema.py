@@ -19,6 +19,7 @@ import llama_cpp.llama_grammar
 from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
 
 from fastrun_cpp.structured.grammars import base_grammar
+from fastrun_cpp.structured.guard import ANY_CHARACTER, plain_group_opening
 
 # Keywords the grammar enforces, and annotations that constrain nothing.
 _ENFORCED = {
@@ -38,6 +39,9 @@ _FORMAT_PATTERNS = {
     "hostname": r"^[A-Za-z0-9]([A-Za-z0-9-]{0,30}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,30}[A-Za-z0-9])?){0,4}$",
 }
 _SHORTHAND_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_", "s": " \\t"}
+# What \D \W \S match, less what a JSON string cannot hold raw (as `.` in a pattern).
+_NEGATED_SHORTHAND_CLASSES = {"D": r'[^0-9"\\\x7F\x00-\x1F]', "W": r'[^A-Za-z0-9_"\\\x7F\x00-\x1F]',
+                              "S": r'[^ \t"\\\x7F\x00-\x1F]'}
 _CONVERTER_FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
 _MAX_DIGITS = 16  # integers are at most this many digits (as the converter's own rule)
 # JSON forbids raw control characters in strings; the converter's own rules let them through.
@@ -177,7 +181,9 @@ def _enforceable(node: Any, where: str, strict: bool) -> Any:
         out[keyword] = value
     if "allOf" in out and any(not isinstance(s, dict) or "properties" not in s and "$ref" not in s
                               for s in out["allOf"]):
-        raise SchemaError(f"{where}: allOf is supported for combining object schemas only")
+        if strict:
+            raise SchemaError(f"{where}: allOf is supported for combining object schemas only")
+        del out["allOf"]
     return out
 
 
@@ -275,8 +281,9 @@ class _Converter(SchemaConverter):
 
 
 def _normalize_pattern(pattern: str) -> str:
-    """A regex the converter turns into valid GBNF: anchored at both ends, and with escapes
-    it mishandles (`\\.`, `\\d`, `\\w`, `\\s`, `\\^`, `\\$`, `\\/`, `\\-`) spelled as classes.
+    """A regex the converter turns into valid GBNF: anchored at both ends, groups plain, and
+    with escapes it mishandles (`\\.`, `\\d`, `\\w`, `\\s`, `\\D`, `\\W`, `\\S`, `\\^`, `\\$`, `\\/`,
+    `\\-`) spelled as classes.
 
     JSON Schema patterns match anywhere in a string; a grammar needs a whole match. Matching
     the whole string is stricter, so every answer still satisfies the pattern.
@@ -291,12 +298,23 @@ def _normalize_pattern(pattern: str) -> str:
             if escaped in _SHORTHAND_CLASSES:
                 members = _SHORTHAND_CLASSES[escaped]
                 out.append(members if in_class else f"[{members}]")
+            elif escaped in _NEGATED_SHORTHAND_CLASSES and not in_class:
+                out.append(_NEGATED_SHORTHAND_CLASSES[escaped])
             elif escaped in ".^$/-":
                 hex_escape = f"\\x{ord(escaped):02X}"
                 out.append(hex_escape if in_class else f"[{hex_escape}]")
             else:
                 out.append(pattern[index : index + 2])
             index += 2
+            continue
+        if not in_class and pattern.startswith(ANY_CHARACTER, index):
+            out.append(".")
+            index += len(ANY_CHARACTER[0])
+            continue
+        if char == "(" and not in_class:
+            opening = plain_group_opening(pattern, index) or "("  # the guard let only groups through
+            out.append("(")
+            index += len(opening)
             continue
         if char == "[" and not in_class:
             in_class = True
@@ -446,11 +464,14 @@ def tool_calls_gbnf(
     functions: list[tuple[str, dict[str, Any], bool]],
     call_rule: Callable[[str, str], str],
     calls_rule: Callable[[str], str],
+    *,
+    relaxed: bool = False,
 ) -> str:
     """A grammar of tool calls: `call_rule(name_literal, arguments_rule)` writes one call in
     the model's format, `calls_rule(call)` how many there are. Each function (name,
     parameters, strict) has its arguments follow its `parameters` schema, checked like a
-    response_format schema: all of it when strict, else what a grammar can enforce."""
+    response_format schema: all of it when strict, else what a grammar can enforce.
+    `relaxed`: a function whose schema cannot be converted takes any JSON object."""
     if not functions:
         raise SchemaError("no functions to call")
     order: dict[str, int] = {}
@@ -459,12 +480,28 @@ def tool_calls_gbnf(
     converter = _Converter(order)
     alternatives = []
     for index, (name, parameters, strict) in enumerate(functions):
-        parameters = _checked(parameters, f"function {name!r}", invalid=f"function {name!r}: invalid parameters schema",
-                              strict=strict)
-        arguments_rule = _visit_schema(converter, parameters, ref_base=f"tool-{index}", rule_name=f"fn{index}-args",
-                                       subject=f"function {name!r}: the parameters")
+        try:
+            arguments_rule = _arguments_rule(converter, index, name, parameters, strict)
+        except SchemaError:
+            if not relaxed:
+                raise
+            arguments_rule = _arguments_rule(converter, index, name, {"type": "object"}, False)
         name_literal = converter._format_literal(name)[1:-1]  # escaped, without the quotes
         alternatives.append(converter._add_rule(f"fn{index}-call", call_rule(f'"{name_literal}"', arguments_rule)))
     call = converter._add_rule("call", " | ".join(alternatives))
     converter._add_rule("root", calls_rule(call))
     return converter.format_grammar()
+
+
+def _arguments_rule(converter: _Converter, index: int, name: str, parameters: Any, strict: bool) -> str:
+    """Add the rules of one function's arguments; the name of their rule (SchemaError if its
+    schema cannot be converted, the converter left as it was)."""
+    rules, refs, resolving = dict(converter._rules), dict(converter._refs), set(converter._refs_being_resolved)
+    try:
+        parameters = _checked(parameters, f"function {name!r}", invalid=f"function {name!r}: invalid parameters schema",
+                              strict=strict)
+        return _visit_schema(converter, parameters, ref_base=f"tool-{index}", rule_name=f"fn{index}-args",
+                             subject=f"function {name!r}: the parameters")
+    except SchemaError:
+        converter._rules, converter._refs, converter._refs_being_resolved = rules, refs, resolving
+        raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from fastrun_cpp.entrypoints.openai.protocol_base import RequestModel, ResponseModel
 from fastrun_cpp.entrypoints.openai.sampling_fields import SamplingFields
@@ -34,7 +34,7 @@ class ToolResultBlock(RequestModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        return _text_blocks_only(value, "tool_result content")
+        return _tool_result_blocks(value)
 
     def text(self) -> str:
         if self.content is None:
@@ -50,8 +50,23 @@ class ThinkingBlock(RequestModel):
     type: Literal["thinking", "redacted_thinking"]
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock], Field(discriminator="type")]
-_KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+class ServerToolBlock(RequestModel):
+    """A server tool's call or result in the history (web search, tool search...): this server
+    ran none of them, and a client can only be replaying another server's; left out of the
+    prompt."""
+
+    type: Literal["server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "tool_search_tool_result",
+                  "code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result", "container_upload"]
+
+
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, ServerToolBlock],
+                         Field(discriminator="type")]
+_KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking",
+                 *ServerToolBlock.model_fields["type"].annotation.__args__)
+# Blocks a tool result may hold besides text; each becomes a short note in the prompt (this
+# server reads text only, and an agent's tool may return a screenshot or a file).
+_PLACEHOLDER_BLOCKS = ("image", "document", "search_result", "tool_reference")
 
 
 def _text_blocks_only(value: Any, where: str) -> Any:
@@ -64,8 +79,27 @@ def _text_blocks_only(value: Any, where: str) -> Any:
     return value
 
 
+def _tool_result_blocks(value: Any) -> Any:
+    """A tool result's blocks with those this server cannot read spelled as a note."""
+    if not isinstance(value, list):
+        return value
+    blocks = []
+    for index, block in enumerate(value):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in _PLACEHOLDER_BLOCKS:
+            name = block.get("tool_name") if kind == "tool_reference" else None
+            blocks.append({"type": "text", "text": f"[tool {name} loaded]" if name else f"[{kind} not shown]"})
+        elif kind != "text":
+            raise ValueError(f"tool_result content block {index} has type {kind!r}; supported: text, "
+                             f"{', '.join(_PLACEHOLDER_BLOCKS)}")
+        else:
+            blocks.append(block)
+    return blocks
+
+
 class Message(RequestModel):
-    role: Literal["user", "assistant"]
+    # Claude Code sends a system message between turns (its environment notes): it keeps its place.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
     @field_validator("content", mode="before")
@@ -81,20 +115,32 @@ class Message(RequestModel):
 
 
 class Tool(RequestModel):
+    """A client tool. `defer_loading` (Anthropic's tool search) keeps it out of the prompt:
+    this server runs no tool search to load it."""
+
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
+    defer_loading: bool | None = None
 
 
-def _client_tools_only(tools: Any) -> Any:
-    if isinstance(tools, list):
-        for index, tool in enumerate(tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind not in (None, "custom"):
-                raise ValueError(f"tool {index} is the server tool {kind!r}, which this server does not run; "
-                                 "only client tools (name, description, input_schema) are supported")
-    return tools
+class ServerTool(RequestModel):
+    """A tool Anthropic's servers run (web search, code execution, tool search...) or one of
+    its versioned client tools (`bash_20250124`...): none runs here. Left out of the prompt
+    when the model may choose; naming one in tool_choice is a 400."""
+
+    type: str
+    name: str
+
+
+def _tool_kind(tool: Any) -> Any:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return "client" if kind in (None, "custom") else "server"
+
+
+AnyTool = Annotated[Union[Annotated[Tool, Tag("client")], Annotated[ServerTool, Tag("server")]],
+                    Discriminator(_tool_kind)]
 
 
 class ToolChoice(RequestModel):
@@ -104,34 +150,49 @@ class ToolChoice(RequestModel):
 
 
 class ThinkingConfig(RequestModel):
+    # adaptive: the model decides when and how much to think (output_config.effort guides it)
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    display: str | None = None  # "omitted" / "summarized": reasoning comes back whole either way
+
+
+class OutputConfig(RequestModel):
+    effort: Literal["low", "medium", "high", "max"] | None = None
+
+
+class Metadata(RequestModel):
+    # Claude Code writes a JSON object with its session id here: the session routes a
+    # conversation's turns to the replica holding its prefix.
+    user_id: str | None = None
 
 
 class CountTokensRequest(RequestModel):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    # Accepted and ignored: past thinking is never in the prompt, so there is nothing to clear.
+    context_management: dict[str, Any] | None = None
 
     @field_validator("system", mode="before")
     @classmethod
     def _system_text(cls, value: Any) -> Any:
         return _text_blocks_only(value, "system")
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _client_tools(cls, value: Any) -> Any:
-        return _client_tools_only(value)
+
+# Anthropic's largest max_tokens (its models' output limit); the answer is also capped by what
+# the context has left, with stop_reason "max_tokens" when that ends it.
+MAX_OUTPUT_TOKENS = 128_000
 
 
 class MessagesRequest(CountTokensRequest, SamplingFields):
-    max_tokens: Annotated[int, Field(ge=1, le=16384)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS)]
     stop_sequences: list[str] | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None  # accepted; user_id is not used
+    metadata: Metadata | None = None
 
 
 # ------------------------------------------------------------------------ response

@@ -14,12 +14,14 @@ from sse_starlette import ServerSentEvent
 from fastrun_cpp.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     MessageResponse,
+    Metadata,
     MessagesRequest,
     ResponseContent,
     TextBlock,
     TextContent,
     ThinkingContent,
     TokenCount,
+    Tool,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseContent,
@@ -44,18 +46,35 @@ def _effort(budget_tokens: int | None) -> str:
     return "medium"
 
 
+# Claude Code opens `system` with a block of billing data for Anthropic's servers, which
+# changes with its version and entry point: it means nothing to the model and would put
+# volatile text before the stable system prompt, so it is left out.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def system_text(system: str | list[TextBlock] | None) -> str:
+    if not system:
+        return ""
+    if isinstance(system, str):
+        return system
+    return "\n".join(block.text for block in system if not block.text.startswith(_BILLING_HEADER))
+
+
 def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     """Messages as chat messages: tool results become tool messages (before the turn's text),
-    tool uses the assistant's tool calls; past thinking is left out, as templates drop it."""
+    tool uses the assistant's tool calls; past thinking and server tools' blocks are left out,
+    as templates drop them; system messages keep their place."""
     messages: list[dict[str, Any]] = []
-    if request.system:
-        system = request.system if isinstance(request.system, str) else "\n".join(b.text for b in request.system)
+    if system := system_text(request.system):
         messages.append({"role": "system", "content": system})
     for message in request.messages:
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
             continue
         texts = [block.text for block in message.content if isinstance(block, TextBlock)]
+        if message.role == "system":
+            messages.append({"role": "system", "content": "\n".join(texts)})
+            continue
         if message.role == "assistant":
             calls = [{"id": block.id, "type": "function",
                       "function": {"name": block.name, "arguments": json.dumps(block.input)}}
@@ -76,39 +95,89 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _offered_tools(request: CountTokensRequest) -> list[Tool]:
+    """The tools the model is shown: client tools not deferred to a tool search. A tool_choice
+    naming any other is a 400, in Anthropic's words."""
+    offered = [tool for tool in request.tools or [] if isinstance(tool, Tool) and not tool.defer_loading]
+    left_out = [tool.name for tool in request.tools or [] if tool not in offered]
+    if left_out:
+        logger.debug("tools not offered to the model (server tools, or deferred): %s", ", ".join(left_out))
+    choice = request.tool_choice
+    if choice is not None and choice.type == "tool":
+        if not choice.name:
+            raise bad_request("tool_choice: a choice of type 'tool' needs the tool's name")
+        if choice.name in left_out:
+            raise bad_request(f"tool_choice: the tool {choice.name!r} is a server tool or deferred (defer_loading), "
+                              "which this server does not run")
+        if choice.name not in {tool.name for tool in offered}:
+            raise bad_request(f"tool_choice: tool {choice.name!r} not found in tools")
+    elif choice is not None and choice.type == "any" and not offered:
+        raise bad_request("tool_choice: 'any' needs at least one client tool in tools")
+    return offered
+
+
+def _reasoning_effort(request: CountTokensRequest) -> str | None:
+    thinking = request.thinking
+    if thinking is None:
+        return None
+    if thinking.type == "disabled":
+        return "none"
+    if thinking.type == "adaptive":
+        effort = request.output_config.effort if request.output_config is not None else None
+        return {"low": "low", "high": "high", "max": "high"}.get(effort or "", "medium")
+    return _effort(thinking.budget_tokens)
+
+
+def session_of(metadata: Metadata | None) -> str | None:
+    """The conversation a request belongs to, for routing: Claude Code's `user_id` is a JSON
+    object holding its session id; any other value is taken whole."""
+    if metadata is None or not metadata.user_id:
+        return None
+    try:
+        value = json.loads(metadata.user_id)
+    except (ValueError, RecursionError):
+        return metadata.user_id
+    if isinstance(value, dict) and isinstance(value.get("session_id"), str):
+        return value["session_id"]
+    return metadata.user_id
+
+
 def chat_request(request: CountTokensRequest, *, stream: bool = False) -> ChatCompletionRequest:
     data: dict[str, Any] = {"model": request.model, "messages": chat_messages(request), "stream": stream}
     if stream:
         data["stream_options"] = {"include_usage": True}
     if isinstance(request, MessagesRequest):
-        data["max_tokens"] = request.max_tokens
         data.update(request.sampling_values())
+        if (session := session_of(request.metadata)) is not None:
+            data["prompt_cache_key"] = session
         if request.stop_sequences:
             if len(request.stop_sequences) > MAX_STOP_SEQUENCES:
                 raise bad_request(f"stop_sequences: at most {MAX_STOP_SEQUENCES} are supported, "
                                   f"not {len(request.stop_sequences)}")
             data["stop"] = request.stop_sequences
-    if request.tools:
+    offered = _offered_tools(request)
+    if offered:
         data["tools"] = [{"type": "function", "function": {
             "name": tool.name, "description": tool.description, "parameters": tool.input_schema}}
-            for tool in request.tools]
+            for tool in offered]
     choice = request.tool_choice
-    if choice is not None:
+    if choice is not None and (offered or choice.type == "none"):
         if choice.type == "tool":
-            if not choice.name:
-                raise bad_request("tool_choice: a choice of type 'tool' needs the tool's name")
             data["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
             data["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use:
             data["parallel_tool_calls"] = False
-    if request.thinking is not None:
-        data["reasoning_effort"] = ("none" if request.thinking.type == "disabled"
-                                    else _effort(request.thinking.budget_tokens))
+    if (effort := _reasoning_effort(request)) is not None:
+        data["reasoning_effort"] = effort
     try:
-        return ChatCompletionRequest.model_validate(data)
+        chat = ChatCompletionRequest.model_validate(data)
     except ValueError as exc:
         raise bad_request(f"messages: {exc}") from None
+    if isinstance(request, MessagesRequest):
+        # Anthropic's bound on max_tokens, checked by MessagesRequest, not chat's 16384.
+        chat = chat.model_copy(update={"max_tokens": request.max_tokens})
+    return chat
 
 
 def tool_input(arguments: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from fastrun_cpp.entrypoints.openai.models.router import router as models_router
 from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.openai.responses.router import router as responses_router
 from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
+from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal, load_secret
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore
 from fastrun_cpp.entrypoints.openai.body import BodyChecker
 from fastrun_cpp.registry import registry_from_settings
@@ -142,7 +143,9 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_chat = chat = OpenAIServingChat(models, **serving_options)
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)
-    app.state.serving_responses = OpenAIServingResponses(chat, response_store(settings))
+    store = response_store(settings)
+    app.state.serving_responses = OpenAIServingResponses(
+        chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))))
     app.state.serving_messages = AnthropicServingMessages(chat)
     for api in (*API_ROUTERS, health_router):
         app.include_router(api)

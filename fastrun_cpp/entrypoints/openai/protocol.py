@@ -132,6 +132,9 @@ class ChatMessage(RequestModel):
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, for templates that render it (`reasoning_content`, as
+    # llama-server and vLLM take it); templates that drop past reasoning ignore it.
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="after")
     @classmethod
@@ -187,6 +190,8 @@ class ChatCompletionRequest(SamplingFields):
     speculative: bool | None = None  # false: no speculative decoding for this request
     # Lower runs first and may preempt (as vLLM); a key may be capped (`fastrun-cpp keys priority`).
     priority: Annotated[int, Field(ge=-1_000_000, le=1_000_000)] | None = None
+    # OpenAI's cache hint: requests with the same key go to the replica that served the last one.
+    prompt_cache_key: str | None = None
     # Accepted and ignored (README: OpenAI parameters).
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -324,16 +329,38 @@ class Completion(ResponseModel):
 
 # ------------------------------------------------------------------------ models
 
+class ModelMeta(ResponseModel):
+    """llama-server's `meta` of a model card."""
+
+    n_vocab: int
+    n_ctx_train: int
+    n_ctx: int  # tokens one request may use, prompt and answer
+    slots: int
+
+
 class ModelCard(ResponseModel):
+    """OpenAI's model card, with what agents size themselves by: the context (vLLM's
+    `max_model_len`, llama-server's `meta`), the longest answer, and what the model can do."""
+
+    omit_if_none = frozenset({"max_model_len", "max_output_tokens", "capabilities", "meta"})
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "fastrun"
+    max_model_len: int | None = None
+    max_output_tokens: int | None = None
+    capabilities: list[str] | None = None  # chat, completions, tools, structured_outputs, reasoning, embeddings
+    meta: ModelMeta | None = None
 
 
 class ModelList(ResponseModel):
+    """OpenAI's list; `models` is the same models in Codex CLI's catalog format (its
+    `model_catalog_url` may point here)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    models: list[dict[str, Any]] = Field(default_factory=list)
 
 
 # ------------------------------------------------------------------------ errors

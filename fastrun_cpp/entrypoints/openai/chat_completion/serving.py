@@ -73,6 +73,8 @@ def template_messages(messages: list[ChatMessage], *, tools_as_text: bool) -> li
     for message in messages:
         role = "system" if message.role == "developer" else message.role  # same meaning
         item: dict[str, Any] = {"role": role, "content": message.text()}
+        if message.reasoning_content and role == "assistant":
+            item["reasoning_content"] = message.reasoning_content
         if tools_as_text:
             if message.tool_calls:
                 calls = "\n".join(
@@ -94,6 +96,30 @@ def template_messages(messages: list[ChatMessage], *, tools_as_text: bool) -> li
                 item["tool_call_id"] = message.tool_call_id
         rendered.append(item)
     return rendered
+
+
+def fold_late_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with each system message after the first turn joined to the user
+    message it precedes (or follows, at the end): for chat templates that allow a system
+    message only first (Claude Code sends its environment notes between turns)."""
+    folded: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for index, message in enumerate(messages):
+        if message["role"] == "system" and any(m["role"] != "system" for m in messages[:index]):
+            pending.append(message["content"] or "")
+            continue
+        if pending and message["role"] == "user":
+            message = {**message, "content": "\n\n".join([*pending, message["content"] or ""])}
+            pending = []
+        folded.append(message)
+    if pending:
+        last_user = next((i for i in range(len(folded) - 1, -1, -1) if folded[i]["role"] == "user"), None)
+        if last_user is None:
+            folded.append({"role": "user", "content": "\n\n".join(pending)})
+        else:
+            folded[last_user] = {**folded[last_user], "content": "\n\n".join([folded[last_user]["content"] or "",
+                                                                                *pending])}
+    return folded
 
 
 def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -164,7 +190,7 @@ class OpenAIServingChat(OpenAIServing):
             request_id=random_id("chatcmpl"),
             prompt_tokens=prompt_tokens,
             sampling=self.sampling_params(request, served),
-            max_tokens=request.max_tokens or request.max_completion_tokens,
+            max_tokens=request.max_tokens or request.max_completion_tokens or served.sampling_defaults.max_tokens,
             stop=stop_sequences(request.stop),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             grammar=plan.grammar,
@@ -172,6 +198,7 @@ class OpenAIServingChat(OpenAIServing):
             n=request.n or 1,
             speculative=request.speculative is not False,
             priority=request.priority or 0,
+            session=request.prompt_cache_key or "",
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:
@@ -229,12 +256,21 @@ class OpenAIServingChat(OpenAIServing):
                 messages = _with_system_text(messages, instructions)
             else:
                 template_tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-        try:
-            prompt = runtime.chat_template.render(
-                escaper.escape_all(messages),
+        def render(conversation: list[dict[str, Any]]) -> str:
+            return runtime.chat_template.render(
+                escaper.escape_all(conversation),
                 tools=escaper.escape_all(template_tools),
                 template_kwargs=escaper.escape_all(self._thinking_kwargs(request)),
             )
+
+        try:
+            try:
+                prompt = render(messages)
+            except ChatTemplateError:
+                folded = fold_late_system_messages(messages)
+                if folded == messages:
+                    raise
+                prompt = render(folded)  # the template takes a system message only first
         except ChatTemplateError as exc:
             raise bad_request(str(exc)) from exc
         self.check_prompt_text(served, prompt)
@@ -258,9 +294,11 @@ class OpenAIServingChat(OpenAIServing):
         """The grammar that enforces tool calls or the response format, if any.
 
         `required` and a named function force calls; `auto` arms a lazy grammar at a call's
-        opening text, so that every call, once started, is well formed. A schema keyword a
-        grammar cannot enforce is a 400 when `strict`, and otherwise left out of the grammar
-        and checked after generation. With thinking on, the grammar applies after the reasoning.
+        opening text, so that every call, once started, is well formed. A forced call's schema
+        keyword a grammar cannot enforce is a 400 when `strict`, and otherwise left out of the
+        grammar and checked after generation; with `auto`, no schema refuses the request (the
+        grammar enforces what it can: GrammarBuilder.tool_grammar's `relaxed`). With thinking on,
+        the grammar applies after the reasoning.
         """
         tool_parser = plan.tool_parser
         response_format = request.response_format
@@ -279,11 +317,12 @@ class OpenAIServingChat(OpenAIServing):
             try:
                 gbnf = await self.grammar_builder.tool_grammar(
                     [(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict)) for f in functions],
-                    tool_parser.call_format(plan.max_calls or MAX_PARALLEL_CALLS),
+                    tool_parser.call_format(plan.max_calls or MAX_PARALLEL_CALLS), relaxed=lazy_tools,
                 )
             except BuildError as exc:
                 raise bad_request(f"tools: {exc}") from exc
-            plan.lenient_schemas = {f.name: f.parameters for f in functions if not f.strict and f.parameters}
+            plan.lenient_schemas = {f.name: f.parameters for f in functions
+                                    if (lazy_tools or not f.strict) and f.parameters}
             plan.closed_keys = {f.name: keys for f in functions
                                 if (keys := closed_object_keys(f.parameters or {"type": "object", "properties": {}}))
                                 is not None}

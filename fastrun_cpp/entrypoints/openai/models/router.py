@@ -31,6 +31,12 @@ async def health(request: Request, models: Annotated[OpenAIServingModels, Depend
             "schema_conversions_killed": request.app.state.grammar_builder.killed}
 
 
+@health_router.api_route("/api/hello", methods=["GET", "HEAD"])
+async def hello() -> dict:
+    """Claude Code's connectivity check (HEAD /api/hello at start): the server is there."""
+    return {"status": "ok"}
+
+
 @health_router.get("/ready")
 async def ready(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> JSONResponse:
     """200 once every configured model is loaded, 503 before (or if one failed)."""

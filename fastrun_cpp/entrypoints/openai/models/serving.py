@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from fastrun_cpp.registry import ModelConfig, SamplingDefaults
 from fastrun_cpp.runtime import EngineClient, ModelRuntime
 from fastrun_cpp.entrypoints.openai.errors import APIError, model_not_found
-from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, unix_time
+from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, ModelMeta, unix_time
 
 # Retry-After while a model loads, and after it failed (an operator must act).
 LOADING_RETRY_AFTER_S = 5
@@ -103,6 +103,64 @@ class OpenAIServingModels:
         return status
 
     def list_models(self) -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=model.id, created=model.created) for model in self._models.values()]
-        )
+        cards = [model_card(model) for model in self._models.values()]
+        return ModelList(data=cards, models=[codex_model_info(card) for card in cards if card.max_model_len])
+
+
+# The longest answer any endpoint takes (/v1/messages and /v1/responses; chat and completions
+# keep the spec's 16384), before the context's own cap.
+MAX_OUTPUT_TOKENS = 128_000
+
+
+def model_card(model: ServedModel) -> ModelCard:
+    """The model's card; a model still loading (or failed) has only its id."""
+    if model.runtime is None:
+        return ModelCard(id=model.id, created=model.created)
+    runtime = model.runtime
+    info = runtime.info
+    capabilities = ["chat", "completions", "tools", "structured_outputs"]
+    if runtime.reasoning_parser is not None:
+        capabilities.append("reasoning")
+    if info.embedding_dimensions is not None:
+        capabilities.append("embeddings")
+    return ModelCard(id=model.id, created=model.created, max_model_len=info.max_context,
+                     max_output_tokens=min(info.max_context, MAX_OUTPUT_TOKENS), capabilities=capabilities,
+                     meta=ModelMeta(n_vocab=info.n_vocab, n_ctx_train=info.n_ctx_train, n_ctx=info.max_context,
+                                    slots=info.slots))
+
+
+# Codex's catalog entry must carry base instructions; a short one, as a small local model
+# has little context to spare (Codex adds its own notes on sandbox, tools and the workspace).
+CODEX_INSTRUCTIONS = """You are a coding agent running in the user's terminal, working in their workspace.
+Use the tools you are given to read files, run commands and make changes; run one command at a time and read its output before the next.
+Keep changes small and focused on the request, and do not undo changes you did not make.
+When the work is done, answer briefly: what you did, and anything the user should check."""
+
+
+def codex_model_info(card: ModelCard) -> dict[str, object]:
+    """A model as Codex CLI's catalog describes one (its `ModelInfo`: the fields it requires,
+    and the context window it compacts by), so Codex knows the model instead of falling back to
+    defaults for an unknown one. No apply_patch tool type: Codex then edits through its shell
+    tool, which any tool-calling model can drive."""
+    reasoning = "reasoning" in (card.capabilities or ())
+    return {
+        "slug": card.id,
+        "display_name": card.id,
+        "description": f"{card.id}, served by fastrun-cpp",
+        "context_window": card.max_model_len,
+        "max_context_window": card.max_model_len,
+        "supported_reasoning_levels": [{"effort": effort, "description": f"{effort} reasoning effort"}
+                                       for effort in ("low", "medium", "high")] if reasoning else [],
+        "default_reasoning_level": "medium" if reasoning else None,
+        "supports_reasoning_summaries": False,
+        "shell_type": "default",
+        "visibility": "list",
+        "supported_in_api": True,
+        "priority": 1,
+        "support_verbosity": False,
+        "supports_parallel_tool_calls": True,
+        "truncation_policy": {"mode": "tokens", "limit": 10000},
+        "input_modalities": ["text"],
+        "experimental_supported_tools": [],
+        "model_messages": {"instructions_template": CODEX_INSTRUCTIONS},
+    }

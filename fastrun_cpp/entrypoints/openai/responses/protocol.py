@@ -1,14 +1,17 @@
 """Pydantic models of OpenAI's Responses API (POST /v1/responses): the request as clients send
-it, and the response objects and stream events as OpenAI's SDKs parse them.
+it (Codex CLI's among them), and the response objects and stream events as OpenAI's SDKs parse
+them.
 
-Only function tools run here; a built-in tool (web_search, file_search...) is refused by name.
+Function tools, namespaces of them and custom (freeform) tools run here; hosted tools
+(web_search, file_search...) are left out of the prompt when the model may choose, and a
+request that requires one is refused.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from fastrun_cpp.entrypoints.openai.protocol_base import RequestModel, ResponseModel
 from fastrun_cpp.entrypoints.openai.sampling_fields import SamplingFields
@@ -64,17 +67,44 @@ class FunctionCallItem(RequestModel):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # the namespace tool holding the function (Codex's MCP servers)
 
 
-class FunctionCallOutputItem(RequestModel):
-    type: Literal["function_call_output"]
+class CustomToolCallItem(RequestModel):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
+
+
+def _tool_output_parts(parts: Any) -> Any:
+    """A tool's output parts with those this server cannot read (an image a tool returned)
+    spelled as a note."""
+    if not isinstance(parts, list):
+        return parts
+    out = []
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio", "encrypted_content"):
+            out.append({"type": "input_text", "text": f"[{kind.removeprefix('input_')} not shown]"})
+        elif kind in ("input_text", "output_text", "text", "refusal"):
+            out.append(part)
+        else:
+            raise ValueError(f"output part {index} has type {kind!r}; supported: input_text, input_image, "
+                             "input_file, input_audio")
+    return out
+
+
+class ToolOutputItem(RequestModel):
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: str | list[InputTextPart]
 
     @field_validator("output", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        return _text_parts_only(value)
+        return _tool_output_parts(value)
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -83,14 +113,24 @@ class FunctionCallOutputItem(RequestModel):
 
 
 class ReasoningInputItem(RequestModel):
-    """A reasoning item sent back by a client: accepted, and left out of the prompt (as the
-    chat templates drop past reasoning)."""
+    """A reasoning item sent back by a client. Its `encrypted_content`, when this server
+    wrote it for the same account, goes back into the prompt with the turn it belongs to."""
 
     type: Literal["reasoning"]
+    encrypted_content: str | None = None
+
+
+class HostedToolCallItem(RequestModel):
+    """A hosted tool's call in the history (web search...): another server's, replayed; left
+    out of the prompt."""
+
+    type: Literal["web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call",
+                  "computer_call", "computer_call_output", "mcp_call", "mcp_list_tools", "tool_search_call",
+                  "tool_search_output", "local_shell_call", "local_shell_call_output", "compaction"]
 
 
 InputItem = Annotated[
-    Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningInputItem],
+    Union[MessageItem, FunctionCallItem, CustomToolCallItem, ToolOutputItem, ReasoningInputItem, HostedToolCallItem],
     Field(discriminator="type"),
 ]
 
@@ -114,19 +154,63 @@ class FunctionTool(RequestModel):
     strict: bool | None = None
 
 
-def _function_tools_only(tools: Any) -> Any:
-    if isinstance(tools, list):
-        for index, tool in enumerate(tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise ValueError(f"tool {index} is a {kind!r} tool, which this server does not run; "
-                                 "only function tools are supported")
-    return tools
+class CustomToolFormat(RequestModel):
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class CustomTool(RequestModel):
+    """A freeform tool: the model writes its input as plain text (a patch, a query), in its
+    `format` when it has a grammar."""
+
+    type: Literal["custom"]
+    name: str
+    description: str | None = None
+    format: CustomToolFormat | None = None
+
+
+class NamespaceTool(RequestModel):
+    """A group of tools under one name (Codex's MCP servers): offered to the model as
+    `namespace.name`, and called back with the namespace apart, as Codex reads it."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type")]]
+
+
+class HostedTool(RequestModel):
+    """A tool OpenAI's servers run (web_search, file_search, code_interpreter...): none runs
+    here."""
+
+    type: str
+
+
+def _tool_kind(tool: Any) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return kind if kind in ("function", "custom", "namespace") else "hosted"
+
+
+AnyTool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[CustomTool, Tag("custom")],
+                          Annotated[NamespaceTool, Tag("namespace")], Annotated[HostedTool, Tag("hosted")]],
+                    Discriminator(_tool_kind)]
 
 
 class FunctionToolChoice(RequestModel):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+
+
+class HostedToolChoice(RequestModel):
+    type: str  # web_search_preview, file_search...: refused, none runs here
+
+    @field_validator("type")
+    @classmethod
+    def _hosted(cls, value: str) -> str:
+        if value in ("function", "custom"):
+            raise ValueError(f"a tool_choice of type {value!r} needs the tool's name")
+        return value
 
 
 class TextFormatText(RequestModel):
@@ -158,6 +242,9 @@ class ReasoningConfig(RequestModel):
     summary: str | None = None  # accepted; reasoning comes back whole, not summarised
 
 
+MAX_OUTPUT_TOKENS = 128_000
+
+
 class ResponsesRequest(SamplingFields):
     model: str
     input: str | list[InputItem]
@@ -165,9 +252,10 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
-    max_output_tokens: Annotated[int, Field(ge=1, le=16384)] | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    # OpenAI's models' output limit; the answer is also capped by what the context has left.
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS)] | None = None
+    tools: list[AnyTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | HostedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -185,10 +273,6 @@ class ResponsesRequest(SamplingFields):
     def _message_by_default(cls, value: Any) -> Any:
         return _default_item_type(value)
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _functions_only(cls, value: Any) -> Any:
-        return _function_tools_only(value)
 
     @field_validator("input", mode="after")
     @classmethod
@@ -221,24 +305,38 @@ class OutputMessage(ResponseModel):
     content: list[OutputText]
 
 
-class OutputFunctionCall(ResponseModel):
+class _OutputCall(ResponseModel):
+    omit_if_none = frozenset({"namespace"})
+
     id: str
-    type: Literal["function_call"] = "function_call"
     status: Literal["in_progress", "completed", "incomplete"]
     call_id: str
     name: str
+    namespace: str | None = None  # the namespace tool the function belongs to
+
+
+class OutputFunctionCall(_OutputCall):
+    type: Literal["function_call"] = "function_call"
     arguments: str
 
 
+class OutputCustomToolCall(_OutputCall):
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    input: str
+
+
 class OutputReasoning(ResponseModel):
+    omit_if_none = frozenset({"encrypted_content"})
+
     id: str
     type: Literal["reasoning"] = "reasoning"
     status: Literal["in_progress", "completed", "incomplete"]
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText]
+    encrypted_content: str | None = None  # with include ["reasoning.encrypted_content"]
 
 
-OutputItem = Union[OutputMessage, OutputFunctionCall, OutputReasoning]
+OutputItem = Union[OutputMessage, OutputFunctionCall, OutputCustomToolCall, OutputReasoning]
 
 
 class InputTokensDetails(ResponseModel):

@@ -9,30 +9,40 @@ import json
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from sse_starlette import ServerSentEvent
 
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, unix_time
+from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.responses.protocol import (
+    CustomTool,
+    CustomToolCallItem,
     FunctionCallItem,
-    FunctionCallOutputItem,
+    FunctionTool,
     FunctionToolChoice,
+    HostedToolChoice,
+    IncompleteDetails,
     InputTokensDetails,
     MessageItem,
+    NamespaceTool,
+    OutputCustomToolCall,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
     OutputReasoning,
     OutputText,
     OutputTokensDetails,
+    ReasoningInputItem,
     ReasoningText,
     Response,
     ResponsesRequest,
+    ResponseError,
     ResponseUsage,
-    IncompleteDetails,
+    ToolOutputItem,
 )
+from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoredTooLarge
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.request_context import current_record
@@ -52,8 +62,79 @@ def _account() -> str | None:
     return record.account if record is not None else None
 
 
-def conversation_items(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input as plain items (a string is one user message)."""
+class ToolSet:
+    """The request's tools as the chat layer offers them, and the way back: a namespace's
+    functions are offered as `namespace.name`, a custom tool as a function taking its text as
+    `input`; hosted tools are not offered (none runs here)."""
+
+    SEPARATOR = "."
+
+    def __init__(self, request: ResponsesRequest) -> None:
+        self.functions: list[dict[str, Any]] = []
+        self._origin: dict[str, tuple[str, str | None, str]] = {}  # chat name -> (kind, namespace, name)
+        hosted = []
+        for tool in request.tools or []:
+            if isinstance(tool, NamespaceTool):
+                for member in tool.tools:
+                    self._add(member, tool.name)
+            elif isinstance(tool, (FunctionTool, CustomTool)):
+                self._add(tool, None)
+            else:
+                hosted.append(tool.type)
+        if hosted:
+            logger.debug("hosted tools not offered to the model (none runs here): %s", ", ".join(hosted))
+        choice = request.tool_choice
+        if isinstance(choice, HostedToolChoice) and not isinstance(choice, FunctionToolChoice):
+            raise bad_request(f"tool_choice: the hosted tool {choice.type!r} does not run on this server")
+        if isinstance(choice, FunctionToolChoice) and choice.name not in self._origin:
+            raise bad_request(f"tool_choice: no {choice.type} tool named {choice.name!r} in tools")
+        if choice == "required" and not self.functions:
+            raise bad_request("tool_choice: 'required' needs a function or custom tool; hosted tools "
+                              f"({', '.join(hosted)}) do not run on this server")
+
+    def _add(self, tool: FunctionTool | CustomTool, namespace: str | None) -> None:
+        name = f"{namespace}{self.SEPARATOR}{tool.name}" if namespace else tool.name
+        if isinstance(tool, FunctionTool):
+            function = tool.model_dump(exclude={"type"}, exclude_none=True)
+            function["name"] = name
+            self._origin[name] = ("function", namespace, tool.name)
+        else:
+            description = tool.description or ""
+            if tool.format is not None and tool.format.type == "grammar" and tool.format.definition:
+                description += (f"\n\nIts input follows this {tool.format.syntax or 'lark'} grammar:\n"
+                                f"{tool.format.definition}")
+            function = {"name": name, "description": description.strip(), "parameters": {
+                "type": "object", "properties": {"input": {"type": "string", "description": "The tool's input, "
+                                                           "as plain text."}},
+                "required": ["input"], "additionalProperties": False}}
+            self._origin[name] = ("custom", namespace, tool.name)
+        self.functions.append({"type": "function", "function": function})
+
+    def chat_name(self, namespace: str | None, name: str) -> str:
+        return f"{namespace}{self.SEPARATOR}{name}" if namespace else name
+
+    def output_call(self, item_id: str, status: str, call_id: str, chat_name: str,
+                    arguments: str) -> OutputFunctionCall | OutputCustomToolCall:
+        kind, namespace, name = self._origin.get(chat_name, ("function", None, chat_name))
+        if kind == "custom":
+            return OutputCustomToolCall(id=item_id, status=status, call_id=call_id, name=name,
+                                        input=custom_input(arguments), namespace=namespace)
+        return OutputFunctionCall(id=item_id, status=status, call_id=call_id, name=name, arguments=arguments,
+                                  namespace=namespace)
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's text from the arguments the model wrote for it ({"input": ...})."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
+def conversation_items(request: ResponsesRequest, seal: ReasoningSeal, account: str) -> list[dict[str, Any]]:
+    """The request's input as plain items (a string is one user message). Reasoning comes
+    back when this server sealed it for this account; hosted tools' items are left out."""
     if isinstance(request.input, str):
         return [{"type": "message", "role": "user", "content": request.input}]
     items = []
@@ -62,49 +143,66 @@ def conversation_items(request: ResponsesRequest) -> list[dict[str, Any]]:
             items.append({"type": "message", "role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             items.append({"type": "function_call", "call_id": item.call_id, "name": item.name,
-                          "arguments": item.arguments})
-        elif isinstance(item, FunctionCallOutputItem):
+                          "arguments": item.arguments, "namespace": item.namespace})
+        elif isinstance(item, CustomToolCallItem):
+            items.append({"type": "custom_tool_call", "call_id": item.call_id, "name": item.name,
+                          "input": item.input, "namespace": item.namespace})
+        elif isinstance(item, ToolOutputItem):
             items.append({"type": "function_call_output", "call_id": item.call_id, "output": item.text()})
-    return items  # reasoning items are not part of the prompt
+        elif isinstance(item, ReasoningInputItem) and item.encrypted_content:
+            text = seal.open(account, item.encrypted_content)
+            if text:
+                items.append({"type": "reasoning", "text": text})
+    return items
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Conversation items as chat messages: consecutive function calls join the assistant turn
-    before them, their outputs become tool messages."""
+    """Conversation items as chat messages: consecutive tool calls join the assistant turn
+    before them (custom tools' text as their `input` argument), their outputs become tool
+    messages, and reasoning goes with the assistant turn that follows it."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    reasoning = None
     for item in items:
         kind = item["type"]
-        if kind == "message":
-            messages.append({"role": item["role"], "content": item["content"]})
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if kind == "reasoning":
+            reasoning = item["text"]
+        elif kind == "message":
+            message = {"role": item["role"], "content": item["content"]}
+            if item["role"] == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind in ("function_call", "custom_tool_call"):
+            name = ToolSet.SEPARATOR.join(filter(None, (item.get("namespace"), item["name"])))
+            arguments = item["arguments"] if kind == "function_call" else json.dumps({"input": item["input"]})
+            call = {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning:
+                    message["reasoning_content"], reasoning = reasoning, None
+                messages.append(message)
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages
 
 
-def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]], tools: ToolSet) -> ChatCompletionRequest:
     data: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
     if request.stream:
         data["stream_options"] = {"include_usage": True}
     data.update(request.sampling_values())
     if request.parallel_tool_calls is not None:
         data["parallel_tool_calls"] = request.parallel_tool_calls
-    if request.max_output_tokens is not None:
-        data["max_tokens"] = request.max_output_tokens
-    if request.tools:
-        data["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
-                         for tool in request.tools]
-    if isinstance(request.tool_choice, FunctionToolChoice):
-        data["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice.name}}
-    elif request.tool_choice is not None:
-        data["tool_choice"] = request.tool_choice
+    if tools.functions:
+        data["tools"] = tools.functions
+        if isinstance(request.tool_choice, FunctionToolChoice):
+            data["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice.name}}
+        elif request.tool_choice is not None:
+            data["tool_choice"] = request.tool_choice
+    if request.prompt_cache_key:
+        data["prompt_cache_key"] = request.prompt_cache_key
     text_format = request.text.format if request.text is not None else None
     if text_format is not None and text_format.type == "json_schema":
         data["response_format"] = {"type": "json_schema", "json_schema": {
@@ -115,27 +213,37 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> C
     if request.reasoning is not None and request.reasoning.effort is not None:
         data["reasoning_effort"] = _EFFORTS[request.reasoning.effort]
     try:
-        return ChatCompletionRequest.model_validate(data)
+        chat = ChatCompletionRequest.model_validate(data)
     except ValueError as exc:
         raise bad_request(f"input: {exc}") from None
+    if request.max_output_tokens is not None:
+        # The Responses API's bound on max_output_tokens, checked by ResponsesRequest, not chat's.
+        chat = chat.model_copy(update={"max_tokens": request.max_output_tokens})
+    return chat
 
 
 def as_input_items(output: list[OutputItem]) -> list[dict[str, Any]]:
     """A response's output as the items of the next turn's conversation."""
     items = []
     for item in output:
-        if isinstance(item, OutputMessage):
+        if isinstance(item, OutputReasoning) and item.content:
+            items.append({"type": "reasoning", "text": "".join(part.text for part in item.content)})
+        elif isinstance(item, OutputMessage):
             items.append({"type": "message", "role": "assistant", "content": "".join(p.text for p in item.content)})
         elif isinstance(item, OutputFunctionCall):
             items.append({"type": "function_call", "call_id": item.call_id, "name": item.name,
-                          "arguments": item.arguments})
+                          "arguments": item.arguments, "namespace": item.namespace})
+        elif isinstance(item, OutputCustomToolCall):
+            items.append({"type": "custom_tool_call", "call_id": item.call_id, "name": item.name,
+                          "input": item.input, "namespace": item.namespace})
     return items
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal) -> None:
         self.chat = chat
         self.store = store
+        self.seal = seal
         # SQLite calls block: one thread of their own, never the event loop.
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="fastrun-responses")
 
@@ -164,18 +272,25 @@ class OpenAIServingResponses:
             if stored is None:
                 raise APIError(404, f"previous_response_id: no stored response with id {request.previous_response_id!r}")
             history = stored.conversation
-        conversation = history + conversation_items(request)
+        conversation = history + conversation_items(request, self.seal, _account() or "")
         if len(conversation) > self.chat.limits.messages:
             raise bad_request(f"the conversation has {len(conversation)} items, over {self.chat.limits.messages} "
                               "(limit --limit-messages)")
-        chat = chat_request(request, chat_messages(request.instructions, conversation))
+        tools = ToolSet(request)
+        chat = chat_request(request, chat_messages(request.instructions, conversation), tools)
         result = await self.chat.chat(chat)
         response_id = item_id("resp")
         if isinstance(result, ChatCompletion):
-            response = await self._response(request, response_id, result)
+            response = await self._response(request, response_id, result, tools)
             await self._store(request, response, conversation)
             return response
-        return self._stream(request, response_id, result, conversation)
+        return self._stream(request, response_id, result, conversation, tools)
+
+    def _sealed(self, request: ResponsesRequest, reasoning: str) -> str | None:
+        """The reasoning as `encrypted_content`, when the client asked for it."""
+        if "reasoning.encrypted_content" not in (request.include or ()):
+            return None
+        return self.seal.seal(_account() or "", reasoning)
 
     async def _store(self, request: ResponsesRequest, response: Response, conversation: list[dict[str, Any]]) -> None:
         if not request.store:
@@ -217,11 +332,20 @@ class OpenAIServingResponses:
             total_tokens=usage.total_tokens,
         )
 
+    def _incomplete(self, request: ResponsesRequest, finish_reason: str | None, usage: ChatUsage | None) -> bool:
+        """Whether the request's max_output_tokens, or the context, ended the answer. One cut by
+        the server's own cap on answers that name none (--default-max-tokens) is complete: the
+        client asked for no bound (and Codex fails a turn on an incomplete response)."""
+        if finish_reason != "length":
+            return False
+        context = self.chat.served_model(request.model).runtime.info.max_context
+        return request.max_output_tokens is not None or (usage is not None and usage.total_tokens >= context - 1)
+
     @staticmethod
-    def _finish(response: Response, finish_reason: str | None, usage: ResponseUsage | None) -> Response:
+    def _finish(response: Response, incomplete: bool, usage: ResponseUsage | None) -> Response:
         response.completed_at = unix_time()
         response.usage = usage
-        if finish_reason == "length":
+        if incomplete:
             response.status = "incomplete"
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
             if response.output:
@@ -230,27 +354,30 @@ class OpenAIServingResponses:
             response.status = "completed"
         return response
 
-    async def _response(self, request: ResponsesRequest, response_id: str, result: ChatCompletion) -> Response:
+    async def _response(self, request: ResponsesRequest, response_id: str, result: ChatCompletion,
+                        tools: ToolSet) -> Response:
         choice = result.choices[0]
         message = choice.message
         output: list[OutputItem] = []
         if message.reasoning:
             output.append(OutputReasoning(id=item_id("rs"), status="completed",
-                                          content=[ReasoningText(text=message.reasoning)]))
+                                          content=[ReasoningText(text=message.reasoning)],
+                                          encrypted_content=self._sealed(request, message.reasoning)))
         if message.content or not message.tool_calls:
             output.append(OutputMessage(id=item_id("msg"), status="completed",
                                         content=[OutputText(text=message.content or "")]))
         for call in message.tool_calls or []:
-            output.append(OutputFunctionCall(id=item_id("fc"), status="completed", call_id=call.id,
-                                             name=call.function.name, arguments=call.function.arguments))
+            output.append(tools.output_call(item_id("fc"), "completed", call.id, call.function.name,
+                                            call.function.arguments))
         response = self._skeleton(request, response_id, result.created)
         response.output = output
         usage = await self._usage(request, result.usage, message.reasoning or "")
-        return self._finish(response, choice.finish_reason, usage)
+        return self._finish(response, self._incomplete(request, choice.finish_reason, result.usage), usage)
 
     async def _stream(self, request: ResponsesRequest, response_id: str, chunks: AsyncIterator[ChatCompletionChunk],
-                      conversation: list[dict[str, Any]]) -> AsyncIterator[ServerSentEvent]:
-        events = _ResponseEvents(self._skeleton(request, response_id, unix_time()))
+                      conversation: list[dict[str, Any]], tools: ToolSet) -> AsyncIterator[ServerSentEvent]:
+        events = _ResponseEvents(self._skeleton(request, response_id, unix_time()), tools,
+                                 lambda text: self._sealed(request, text))
         yield events.lifecycle("response.created")
         yield events.lifecycle("response.in_progress")
         finish_reason = None
@@ -274,15 +401,17 @@ class OpenAIServingResponses:
                     if choice.finish_reason is not None:
                         finish_reason = choice.finish_reason
         except APIError as exc:
-            yield events.error(exc)
+            for event in events.failed(exc):
+                yield event
             return
-        for event in events.close(finish_reason):
+        incomplete = self._incomplete(request, finish_reason, usage)
+        for event in events.close(at_end=True, incomplete=incomplete):
             yield event
         response = events.response
         response.output = events.output
         if usage is not None:
             usage = await self._usage(request, usage, events.reasoning_text)
-        self._finish(response, finish_reason, usage)
+        self._finish(response, incomplete, usage)
         await self._store(request, response, conversation)
         yield events.lifecycle("response.incomplete" if response.status == "incomplete" else "response.completed")
 
@@ -291,8 +420,10 @@ class _ResponseEvents:
     """The typed events of one streamed response, numbered in order; output items open as
     their first delta arrives and close when another kind of item starts or the answer ends."""
 
-    def __init__(self, response: Response) -> None:
+    def __init__(self, response: Response, tools: ToolSet, seal: Callable[[str], str | None]) -> None:
         self.response = response
+        self.tools = tools
+        self._seal = seal
         self.output: list[OutputItem] = []
         self.reasoning_text = ""
         self._sequence = 0
@@ -307,16 +438,22 @@ class _ResponseEvents:
     def lifecycle(self, kind: str) -> ServerSentEvent:
         return self._event(kind, response=self.response.model_dump(mode="json"))
 
-    def error(self, exc: APIError) -> ServerSentEvent:
+    def failed(self, exc: APIError) -> list[ServerSentEvent]:
+        """A failure mid-stream: OpenAI's `error` event, then `response.failed` (what Codex
+        reads: it ignores `error`)."""
         record_stream_error(exc)
-        return self._event("error", code=exc.error_type, message=exc.message, param=None)
+        self.response.status = "failed"
+        self.response.error = ResponseError(code=exc.error_type, message=exc.message)
+        self.response.output = self.output
+        return [self._event("error", code=exc.error_type, message=exc.message, param=None),
+                self.lifecycle("response.failed")]
 
     @property
     def _index(self) -> int:
         return len(self.output) - 1
 
     def _start(self, item: OutputItem) -> list[ServerSentEvent]:
-        events = self.close(None)
+        events = self.close()
         self.output.append(item)
         self._open = item
         self._texts = []
@@ -350,27 +487,25 @@ class _ResponseEvents:
     def tool_call(self, index: int, call_id: str | None, name: str | None, arguments: str) -> list[ServerSentEvent]:
         events = []
         if call_id is not None:  # a new call: its id and name come first
-            events += self._start(OutputFunctionCall(id=item_id("fc"), status="in_progress", call_id=call_id,
-                                                     name=name or "", arguments=""))
-        if arguments and isinstance(self._open, OutputFunctionCall):
+            events += self._start(self.tools.output_call(item_id("fc"), "in_progress", call_id, name or "", ""))
+        if arguments and isinstance(self._open, (OutputFunctionCall, OutputCustomToolCall)):
             self._texts.append(arguments)
-            events.append(self._event("response.function_call_arguments.delta", item_id=self._open.id,
-                                      output_index=self._index, delta=arguments))
+            if isinstance(self._open, OutputFunctionCall):  # a custom tool's text comes whole, at its end
+                events.append(self._event("response.function_call_arguments.delta", item_id=self._open.id,
+                                          output_index=self._index, delta=arguments))
         return events
 
-    def close(self, finish_reason: str | None) -> list[ServerSentEvent]:
-        """Finish the open item (at the end of the answer: `finish_reason` is known, and an
-        answer with no output at all still gets its empty message)."""
+    def close(self, *, at_end: bool = False, incomplete: bool = False) -> list[ServerSentEvent]:
+        """Finish the open item; `at_end` of the answer (`incomplete`: cut short), an answer
+        with no output at all still gets its empty message."""
         item = self._open
-        at_end = finish_reason is not None or item is None
         if item is None:
-            if not (at_end and not self.output and finish_reason is not None):
+            if not (at_end and not self.output):
                 return []
-            events = self.text("")
-            return events + self.close(finish_reason)
+            return self.text("") + self.close(at_end=True, incomplete=incomplete)
         self._open = None
         text = "".join(self._texts)
-        status = "incomplete" if finish_reason == "length" else "completed"
+        status = "incomplete" if incomplete else "completed"
         index = self._index
         events = []
         if isinstance(item, OutputMessage):
@@ -383,10 +518,15 @@ class _ResponseEvents:
         elif isinstance(item, OutputReasoning):
             part = ReasoningText(text=text)
             item.content = [part]
+            item.encrypted_content = self._seal(text)
             events.append(self._event("response.reasoning_text.done", item_id=item.id, output_index=index,
                                       content_index=0, text=text))
             events.append(self._event("response.content_part.done", item_id=item.id, output_index=index,
                                       content_index=0, part=part.model_dump(mode="json")))
+        elif isinstance(item, OutputCustomToolCall):
+            item.input = custom_input(text)
+            events.append(self._event("response.custom_tool_call_input.done", item_id=item.id, output_index=index,
+                                      input=item.input))
         else:
             item.arguments = text
             events.append(self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,

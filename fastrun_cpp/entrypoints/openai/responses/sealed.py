@@ -1,0 +1,72 @@
+"""Reasoning a client carries from turn to turn (`include: ["reasoning.encrypted_content"]`
+with `store: false`, as Codex CLI sends every request): the text goes out in the reasoning
+item's `encrypted_content`, and comes back into the prompt on the next turn.
+
+The content is the text itself, base64-encoded, with an HMAC-SHA256 tag over it and the
+account it was written for, keyed by a secret of this server's (a 0600 file beside the
+response store). A token that another account, or another server, wrote does not verify and is
+left out of the prompt: no account's reasoning reaches another account's prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "fr1."  # format version
+MAX_TOKEN_CHARS = 4 << 20  # a token is never decoded past this (the body limit bounds it too)
+
+
+def load_secret(path: Path) -> bytes:
+    """The server's sealing key: read from `path`, made there (mode 0600, atomically) if absent."""
+    path = Path(path).expanduser()
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = secrets.token_bytes(32)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(key.hex())
+    try:
+        os.link(temporary, path)  # the first writer wins; others read what it wrote
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink(missing_ok=True)
+    return bytes.fromhex(path.read_text().strip())
+
+
+class ReasoningSeal:
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def _tag(self, account: str, payload: str) -> str:
+        message = account.encode() + b"\0" + payload.encode()
+        return base64.urlsafe_b64encode(hmac.new(self._secret, message, hashlib.sha256).digest()).decode().rstrip("=")
+
+    def seal(self, account: str, text: str) -> str:
+        payload = base64.urlsafe_b64encode(text.encode()).decode()
+        return f"{_PREFIX}{payload}.{self._tag(account, payload)}"
+
+    def open(self, account: str, token: str) -> str | None:
+        """The text `token` holds when this server sealed it for `account`, else None."""
+        if not token.startswith(_PREFIX) or len(token) > MAX_TOKEN_CHARS:
+            return None
+        payload, _, tag = token[len(_PREFIX):].rpartition(".")
+        if not hmac.compare_digest(tag, self._tag(account, payload)):
+            logger.debug("a reasoning item's encrypted_content was not written for this account; left out")
+            return None
+        try:
+            return base64.urlsafe_b64decode(payload.encode()).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
