@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from fastrun_cpp.entrypoints.openai.protocol_base import RequestModel, ResponseModel
+from fastrun_cpp.entrypoints.openai.protocol_base import MAX_OUTPUT_TOKENS, RequestModel, ResponseModel
 from fastrun_cpp.entrypoints.openai.sampling_fields import SamplingFields
 
 # ------------------------------------------------------------------------ request
@@ -181,11 +181,6 @@ class CountTokensRequest(RequestModel):
     @classmethod
     def _system_text(cls, value: Any) -> Any:
         return _text_blocks_only(value, "system")
-
-
-# Anthropic's largest max_tokens (its models' output limit); the answer is also capped by what
-# the context has left, with stop_reason "max_tokens" when that ends it.
-MAX_OUTPUT_TOKENS = 128_000
 
 
 class MessagesRequest(CountTokensRequest, SamplingFields):

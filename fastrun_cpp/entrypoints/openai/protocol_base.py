@@ -10,6 +10,11 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 
+# The longest answer Messages and Responses take (their providers' own output limit; chat and
+# completions keep the spec's 16384); the context left caps it too.
+MAX_OUTPUT_TOKENS = 128_000
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -9,6 +9,7 @@ from fastrun_cpp.registry import ModelConfig, SamplingDefaults
 from fastrun_cpp.runtime import EngineClient, ModelRuntime
 from fastrun_cpp.entrypoints.openai.errors import APIError, model_not_found
 from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, ModelMeta, unix_time
+from fastrun_cpp.entrypoints.openai.protocol_base import MAX_OUTPUT_TOKENS
 
 # Retry-After while a model loads, and after it failed (an operator must act).
 LOADING_RETRY_AFTER_S = 5
@@ -105,11 +106,6 @@ class OpenAIServingModels:
     def list_models(self) -> ModelList:
         cards = [model_card(model) for model in self._models.values()]
         return ModelList(data=cards, models=[codex_model_info(card) for card in cards if card.max_model_len])
-
-
-# The longest answer any endpoint takes (/v1/messages and /v1/responses; chat and completions
-# keep the spec's 16384), before the context's own cap.
-MAX_OUTPUT_TOKENS = 128_000
 
 
 def model_card(model: ServedModel) -> ModelCard:

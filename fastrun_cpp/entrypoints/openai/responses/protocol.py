@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from fastrun_cpp.entrypoints.openai.protocol_base import RequestModel, ResponseModel
+from fastrun_cpp.entrypoints.openai.protocol_base import MAX_OUTPUT_TOKENS, RequestModel, ResponseModel
 from fastrun_cpp.entrypoints.openai.sampling_fields import SamplingFields
 
 # ------------------------------------------------------------------------ request: input items
@@ -242,9 +242,6 @@ class ReasoningConfig(RequestModel):
     summary: str | None = None  # accepted; reasoning comes back whole, not summarised
 
 
-MAX_OUTPUT_TOKENS = 128_000
-
-
 class ResponsesRequest(SamplingFields):
     model: str
     input: str | list[InputItem]
@@ -252,7 +249,6 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
-    # OpenAI's models' output limit; the answer is also capped by what the context has left.
     max_output_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS)] | None = None
     tools: list[AnyTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | HostedToolChoice | None = None

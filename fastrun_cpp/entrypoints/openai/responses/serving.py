@@ -92,8 +92,13 @@ class ToolSet:
             raise bad_request("tool_choice: 'required' needs a function or custom tool; hosted tools "
                               f"({', '.join(hosted)}) do not run on this server")
 
+    @classmethod
+    def chat_name(cls, namespace: str | None, name: str) -> str:
+        """The name the model sees (and calls) for a tool of `namespace`."""
+        return f"{namespace}{cls.SEPARATOR}{name}" if namespace else name
+
     def _add(self, tool: FunctionTool | CustomTool, namespace: str | None) -> None:
-        name = f"{namespace}{self.SEPARATOR}{tool.name}" if namespace else tool.name
+        name = self.chat_name(namespace, tool.name)
         if isinstance(tool, FunctionTool):
             function = tool.model_dump(exclude={"type"}, exclude_none=True)
             function["name"] = name
@@ -109,9 +114,6 @@ class ToolSet:
                 "required": ["input"], "additionalProperties": False}}
             self._origin[name] = ("custom", namespace, tool.name)
         self.functions.append({"type": "function", "function": function})
-
-    def chat_name(self, namespace: str | None, name: str) -> str:
-        return f"{namespace}{self.SEPARATOR}{name}" if namespace else name
 
     def output_call(self, item_id: str, status: str, call_id: str, chat_name: str,
                     arguments: str) -> OutputFunctionCall | OutputCustomToolCall:
@@ -172,7 +174,7 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
         elif kind in ("function_call", "custom_tool_call"):
-            name = ToolSet.SEPARATOR.join(filter(None, (item.get("namespace"), item["name"])))
+            name = ToolSet.chat_name(item.get("namespace"), item["name"])
             arguments = item["arguments"] if kind == "function_call" else json.dumps({"input": item["input"]})
             call = {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
