@@ -372,6 +372,8 @@ RESPONSES_CASES = {
                         "tool_choice": "required"},
     "tool_choice naming a hosted tool": {"input": "hi", "tools": [{"type": "web_search"}],
                                          "tool_choice": {"type": "web_search_preview"}},
+    "a namespace of 10000 tools": {"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(10000)]}]},
     "a namespace of nothing callable": {"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [
         {"type": "mcp", "server_label": "x"}]}]},
     "previous_response_id that does not exist": {"input": "hi", "previous_response_id": "resp_" + "0" * 32},

@@ -279,6 +279,9 @@ class OpenAIServingResponses:
             raise bad_request(f"the conversation has {len(conversation)} items, over {self.chat.limits.messages} "
                               "(limit --limit-messages)")
         tools = ToolSet(request)
+        if len(tools.functions) > self.chat.limits.tools:  # a namespace's functions count one by one
+            raise bad_request(f"tools hold {len(tools.functions)} functions, namespaces included, over "
+                              f"{self.chat.limits.tools} (limit --limit-tools)")
         chat = chat_request(request, chat_messages(request.instructions, conversation), tools)
         result = await self.chat.chat(chat)
         response_id = item_id("resp")
