@@ -93,7 +93,7 @@ class ClaudeCode:
             "ANTHROPIC_BASE_URL": self.server.root_url, "ANTHROPIC_API_KEY": self.key,
             "ANTHROPIC_MODEL": DEFAULT_MODEL,
             # The README's settings for a small context window.
-            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "200", "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "32768",
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1000", "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "32768",
             "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
         }
         command = [str(CLAUDE), "-p", *(["--continue"] if resume else []), prompt, "--output-format", "json"]
