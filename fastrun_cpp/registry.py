@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -49,6 +49,10 @@ class SamplingDefaults(StrictModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=0, le=2)
+    # Ollama's `PARAMETER stop`: where a model's answers end when its own end-of-turn token is
+    # not enough (a small model that rambles on, a template whose turns end in text).
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, max_length=4, description="Stop sequences of a request that names none.")
     # OpenAI's default is the rest of the context, and some clients never send one (Codex CLI):
     # a small model may then talk on for thousands of tokens.
     max_tokens: int | None = Field(None, ge=1, description="The longest answer of a chat or Responses request "
@@ -77,6 +81,10 @@ class ModelConfig(StrictModel):
     queue_policy: Literal["fair", "fifo"] = Field(
         "fair", description="fair: lower priority values first, then fair shares of accounts by tokens served (by "
         "weight), preempting a running sequence to host RAM to keep both; fifo: first come, first served.")
+    rope_scaling: Literal["auto", "gguf", "yarn", "linear"] = Field(
+        "auto", description="How a context longer than the model was trained on reaches its far positions: auto: "
+        "YaRN when ctx_size exceeds the trained context and the GGUF names no scaling of its own, else the GGUF's; "
+        "gguf: the file's own (llama.cpp's default); yarn / linear: scaled from the trained context to ctx_size.")
     swa_full: bool = Field(
         True, description="Keep the full KV of sliding-window layers so their prefixes stay reusable."
     )
@@ -176,7 +184,7 @@ def _looks_like_a_path(value: str) -> bool:
 
 # Settings that override a ModelConfig field of the same name when given.
 MODEL_OVERRIDES = ("slots", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
-                   "max_queue", "queue_policy", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
+                   "max_queue", "queue_policy", "rope_scaling", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
                    "embedding_pooling")
 

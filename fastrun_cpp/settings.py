@@ -90,6 +90,7 @@ class Settings(BaseSettings):
         description="Directory of the disk prompt cache (shared safely by several servers).",
     )
     swa_full: bool | None = _model_field("swa_full")
+    rope_scaling: Literal["auto", "gguf", "yarn", "linear"] | None = _model_field("rope_scaling")
     embeddings: bool | None = _model_field("embeddings")
     embedding_pooling: Literal["mean", "cls", "last"] | None = _model_field("embedding_pooling")
     deterministic: bool | None = _model_field("deterministic")

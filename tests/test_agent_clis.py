@@ -7,7 +7,13 @@ The CLIs send their own requests: a ~12k-token prompt with a dozen tools for Cla
 Responses API with namespace and hosted tools, `store: false` and `prompt_cache_key` for Codex.
 The only settings are the README's: where the server is, the key, the model, and (for a 32k
 context) Claude Code's output and context caps, Codex's model catalog, and the server's cap on
-answers that name none."""
+answers that name none.
+
+The model is SmolLM2-135M, trained on 8k tokens: served with a 32k context its positions are
+YaRN-scaled (`rope_scaling = "auto"`), and what it says to Claude Code's 12k-token prompt is
+readable, but it rarely ends a turn by itself. Claude Code gives up on an answer cut at its
+output cap four times in a row (exit 1), so the registry ends the model's answers where a line
+ends (Ollama's `PARAMETER stop`) and samples greedily: each turn then gets an answer that ends."""
 
 from __future__ import annotations
 
@@ -27,8 +33,18 @@ from tests.test_keys import create_key
 AGENTS = Path(sys.prefix) / "agents" / "node_modules" / ".bin"
 CLAUDE, CODEX = AGENTS / "claude", AGENTS / "codex"
 # The README's setup for agents on a small model: a 32k context, and answers capped where the
-# client names no cap (Codex never does; Claude Code's is CLAUDE_CODE_MAX_OUTPUT_TOKENS).
-SERVER_ARGS = ("--slots", "2", "--ctx-size", "32768", "--default-max-tokens", "200")
+# client names no cap (Codex never does; Claude Code's is CLAUDE_CODE_MAX_OUTPUT_TOKENS); and
+# answers that end (see above).
+REGISTRY = f"""
+[[models]]
+id = "{DEFAULT_MODEL}"
+slots = 2
+ctx_size = 32768
+[models.defaults]
+max_tokens = 200
+temperature = 0
+stop = ["\\n"]
+"""
 CLI_TIMEOUT_S = 900
 REUSED = 0.95  # of the last turn's prompt, cached on the next
 
@@ -148,6 +164,12 @@ wire_api = "responses"
 # ---------------------------------------------------------------- the runs
 
 
+def server_args(directory: Path) -> tuple[str, ...]:
+    registry = directory / "agents.toml"
+    registry.write_text(REGISTRY)
+    return "--models-file", str(registry)
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     """A keyed server, and what it needs to be started again the same (keys, disk cache)."""
@@ -160,7 +182,7 @@ def keyed(tmp_path_factory):
 @pytest.mark.timeout(2 * CLI_TIMEOUT_S)
 def test_both_agents_are_served_and_their_next_turns_are_cache_hits(keyed):
     home, env, key = keyed
-    with run_server(*SERVER_ARGS, log_dir=home, env=env) as server:
+    with run_server(*server_args(home), log_dir=home, env=env) as server:
         assert httpx.get(f"{server.base_url}/models").status_code == 401  # keys are on
         claude = ClaudeCode(home, server, key)
         _, claude_first = claude.turn("Reply with one word: hello.")
@@ -182,7 +204,7 @@ def test_both_agents_are_served_and_their_next_turns_are_cache_hits(keyed):
         assert server.health()["models"][DEFAULT_MODEL]["stats"]["host_hits"] > host_hits
 
     # A restart on the same disk cache: both agents' next turns start from what was saved.
-    with run_server(*SERVER_ARGS, log_dir=home, env=env) as server:
+    with run_server(*server_args(home), log_dir=home, env=env) as server:
         claude.server = server
         codex.point_at(server)
         _, claude_third = claude.turn("Reply with one word: thanks.", resume=True)
@@ -193,7 +215,7 @@ def test_both_agents_are_served_and_their_next_turns_are_cache_hits(keyed):
 
 @pytest.mark.timeout(CLI_TIMEOUT_S)
 def test_codex_in_open_mode(tmp_path):
-    with run_server(*SERVER_ARGS, log_dir=tmp_path) as server:
+    with run_server(*server_args(tmp_path), log_dir=tmp_path) as server:
         codex = Codex(tmp_path, server, "any-key-in-open-mode")
         events, served = codex.turn("Reply with one word: hello.")
         usage = [e["usage"] for e in events if e["type"] == "turn.completed"][0]

@@ -33,6 +33,8 @@ def test_bad_registries_are_refused_at_startup(tmp_path):
         "duplicate.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\n[[models]]\nid = "{DEFAULT_MODEL}"\n',
         "no-source.toml": '[[models]]\nid = "mystery"\n',
         "typo.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\nslotz = 3\n',
+        "empty-stop.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\n[models.defaults]\nstop = [""]\n',
+        "rope.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\nrope_scaling = "ntk"\n',
         # GGML_CPU_TILED_MM is read once per process: one process has one kernel set.
         "mixed-kernels.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\n'
                               f'[[models]]\nid = "fast"\npath = "{DEFAULT_MODEL_PATH}"\ndeterministic = false\n',
@@ -182,3 +184,57 @@ def test_502_only_when_no_replica_is_left(tmp_path):
         assert failed.status_code == 502
         assert int(failed.headers["retry-after"]) >= 1
         assert failed.json()["error"]["type"] == "upstream_error"
+
+
+@pytest.fixture(scope="module")
+def stopping(tmp_path_factory):
+    """A model whose answers end at a full stop unless a request names its own stops."""
+    directory = tmp_path_factory.mktemp("stopping")
+    registry = directory / "registry.toml"
+    registry.write_text(f'[[models]]\nid = "{DEFAULT_MODEL}"\nslots = 1\nctx_size = 512\n'
+                        f'[models.defaults]\ntemperature = 0\nstop = ["."]\n')
+    with run_server("--models-file", str(registry), log_dir=directory) as server:
+        yield server
+
+
+def test_configured_stop_sequences_end_answers_that_name_none(stopping):
+    prompt = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+    whole = complete(stopping, DEFAULT_MODEL, prompt, max_tokens=40, stop=["@@@"])["choices"][0]
+    assert "." in whole["text"], whole  # greedy, it writes a full stop (else nothing is tested)
+    cut = complete(stopping, DEFAULT_MODEL, prompt, max_tokens=40)["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == whole["text"].split(".")[0], (cut, whole)
+
+    messages = [{"role": "user", "content": "Write two sentences about the sea."}]
+    chat = httpx.post(f"{stopping.base_url}/chat/completions", timeout=120,
+                      json={"model": DEFAULT_MODEL, "max_tokens": 60, "messages": messages}).json()
+    anthropic = httpx.post(f"{stopping.base_url}/messages", timeout=120,
+                           json={"model": DEFAULT_MODEL, "max_tokens": 60, "messages": messages}).json()
+    text = chat["choices"][0]["message"]["content"]
+    assert "." not in text and anthropic["content"][0]["text"] == text, (chat, anthropic)
+    if chat["choices"][0]["finish_reason"] == "stop":
+        assert anthropic["stop_reason"] == "stop_sequence" and anthropic["stop_sequence"] == ".", anthropic
+
+
+def test_a_context_past_the_trained_one_is_yarn_scaled_unless_the_gguf_says_otherwise(tmp_path):
+    from fastrun_cpp.engine.model import LlamaModel
+    from fastrun_cpp.registry import ModelConfig
+    from fastrun_cpp.runtime.model_runtime import disk_cache_for, rope_scaling
+
+    model = LlamaModel(DEFAULT_MODEL_PATH)
+    trained = model.n_ctx_train
+
+    def config(**fields) -> ModelConfig:
+        return ModelConfig(id=DEFAULT_MODEL, path=DEFAULT_MODEL_PATH, **fields)
+
+    assert rope_scaling(config(ctx_size=trained), model) is None
+    assert rope_scaling(config(ctx_size=4 * trained), model) == "yarn"
+    assert rope_scaling(config(ctx_size=4 * trained, rope_scaling="gguf"), model) is None
+    assert rope_scaling(config(ctx_size=trained // 2, rope_scaling="linear"), model) == "linear"
+    # Keys written with scaled positions are not those of the same prompt unscaled: a disk
+    # cache shared by both keeps them apart.
+    scaled, plain = (engine_config(config(ctx_size=4 * trained, rope_scaling=kind), threads=2, model=model)
+                     for kind in ("auto", "gguf"))
+    assert scaled.rope_scaling == "yarn" and scaled.trained_ctx == trained and plain.rope_scaling is None
+    directories = {disk_cache_for(config(), settings, model, DEFAULT_MODEL_PATH, tmp_path).directory
+                   for settings in (scaled, plain)}
+    assert len(directories) == 2

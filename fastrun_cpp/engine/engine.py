@@ -68,6 +68,7 @@ _FLASH_ATTN = {
     "on": llama.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     "off": llama.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
+_ROPE_SCALING = {"yarn": llama.LLAMA_ROPE_SCALING_TYPE_YARN, "linear": llama.LLAMA_ROPE_SCALING_TYPE_LINEAR}
 _CACHE_TYPES = {
     "f32": llama.GGML_TYPE_F32, "f16": llama.GGML_TYPE_F16, "bf16": 30,  # GGML_TYPE_BF16, not exported
     "q8_0": llama.GGML_TYPE_Q8_0,
@@ -106,6 +107,10 @@ class EngineConfig:
     flash_attn: str  # auto / on / off
     cache_type_k: str  # KV cache data types
     cache_type_v: str
+    # RoPE scaling from the trained context to ctx_size (llama.cpp's --rope-scaling): "yarn",
+    # "linear", or None for the GGUF's own.
+    rope_scaling: str | None = None
+    trained_ctx: int = 0  # what the scaling starts from
     # Whether llama.cpp may run large batches' products of CPU-held weights on a GPU (its
     # kernels there depend on the batch size): off in deterministic mode, so a CUDA build
     # serving a model on the CPU stays batch-invariant.
@@ -157,6 +162,10 @@ class Engine:
         params.type_v = _CACHE_TYPES[config.cache_type_v]
         params.op_offload = config.op_offload
         params.no_perf = True
+        if config.rope_scaling is not None:
+            params.rope_scaling_type = _ROPE_SCALING[config.rope_scaling]
+            params.rope_freq_scale = config.trained_ctx / config.ctx_size
+            params.yarn_orig_ctx = config.trained_ctx
         self._ctx = llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
             raise EngineError("llama.cpp could not create a context (out of memory?)")

@@ -163,12 +163,28 @@ def kv_cache_types(config: ModelConfig) -> tuple[str, str]:
     return cache_type_k, cache_type_v
 
 
-def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = None) -> EngineConfig:
+def rope_scaling(config: ModelConfig, model: LlamaModel) -> str | None:
+    """The RoPE scaling an engine applies itself (None: the GGUF's own). A model read past the
+    context it was trained on sees positions it never learnt, and answers with noise; YaRN
+    stretches them over ctx_size instead."""
+    if config.rope_scaling in ("yarn", "linear"):
+        return config.rope_scaling
+    if config.rope_scaling == "gguf" or config.ctx_size <= model.n_ctx_train:
+        return None
+    architecture = model.metadata("general.architecture")
+    own = model.metadata(f"{architecture}.rope.scaling.type")
+    return "yarn" if own in (None, "", "none") else None
+
+
+def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = None,
+                  model: LlamaModel | None = None) -> EngineConfig:
     deterministic = is_deterministic(config)
     cache_type_k, cache_type_v = kv_cache_types(config)
     return EngineConfig(
         slots=config.slots,
         ctx_size=config.ctx_size,
+        rope_scaling=rope_scaling(config, model) if model is not None else None,
+        trained_ctx=model.n_ctx_train if model is not None else 0,
         batch_size=max(config.batch_size, config.slots),
         threads=config.threads or threads,
         prompt_cache_mib=config.prompt_cache_mib,
@@ -247,8 +263,11 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
     depends on: the model file, the KV layout and the llama.cpp build."""
     if directory is None or config.prompt_cache_disk_gib <= 0:
         return None
+    # A scaled RoPE writes other keys: such states live apart (and the unscaled ones where they were).
+    scaled = {"rope": [settings.rope_scaling, settings.trained_ctx, settings.ctx_size]} if settings.rope_scaling else {}
     namespace = namespace_of(
         model=file_identity(path, known=directory / IDENTITIES_FILE), n_swa=model.n_swa, swa_full=settings.swa_full,
+        **scaled,
         type_k=settings.cache_type_k, type_v=settings.cache_type_v, flash_attn=settings.flash_attn,
         deterministic=is_deterministic(config), repacked=repacks_weights(config), llama_cpp=llama_cpp.__version__,
         build=system_info(),
@@ -266,8 +285,11 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     path = await asyncio.to_thread(config.resolve_path)
     weights = await asyncio.to_thread(load_weights, config, path)
     model = weights[0]
-    settings = engine_config(config, threads=threads, limits=limits)
-    if settings.ctx_size > model.n_ctx_train:
+    settings = engine_config(config, threads=threads, limits=limits, model=model)
+    if settings.rope_scaling is not None:
+        logger.info("%s: positions %s-scaled from the %d-token context it was trained on to %d", config.id,
+                    settings.rope_scaling, model.n_ctx_train, settings.ctx_size)
+    elif settings.ctx_size > model.n_ctx_train:
         logger.warning("ctx_size %d exceeds the %d tokens %s was trained on; answers may degrade past that",
                        settings.ctx_size, model.n_ctx_train, config.id)
     if is_deterministic(config) and model.n_swa > 0 and not settings.swa_full:

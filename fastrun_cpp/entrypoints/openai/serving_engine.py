@@ -53,9 +53,10 @@ OVER_SHARE = ("this account holds its fair share of this model's slots and wait 
 R = TypeVar("R", bound=RequestModel)
 
 
-def stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
+def stop_sequences(stop: str | list[str] | None, served: ServedModel) -> tuple[str, ...]:
+    """The request's stop sequences, else the model's configured ones."""
     if stop is None:
-        return ()
+        return tuple(served.sampling_defaults.stop or ())
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 

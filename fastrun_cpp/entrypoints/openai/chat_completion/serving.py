@@ -191,7 +191,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_tokens=prompt_tokens,
             sampling=self.sampling_params(request, served),
             max_tokens=request.max_tokens or request.max_completion_tokens or served.sampling_defaults.max_tokens,
-            stop=stop_sequences(request.stop),
+            stop=stop_sequences(request.stop, served),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             grammar=plan.grammar,
             render_special_tokens=needs_special,

@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_tokens=await self._prompt_tokens(served, prompt, request.suffix),
                 sampling=sampling,
                 max_tokens=request.max_tokens,
-                stop=stop_sequences(request.stop),
+                stop=stop_sequences(request.stop, served),
                 logprobs=logprobs,
                 n=best_of,
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
