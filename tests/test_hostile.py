@@ -91,6 +91,8 @@ CHAT_CASES = {
     "a pattern alternating 3000 words": {"response_format": schema_format({
         "type": "string", "pattern": "^(" + "|".join(f"w{i}x" for i in range(3000)) + ")$"})},
     "a ref that points nowhere": {"response_format": schema_format({"$ref": "#/$defs/missing"})},
+    "json_object with a schema 200 deep": {"response_format": {"type": "json_object", "schema": nested(200)}},
+    "json_object with a schema that is not an object": {"response_format": {"type": "json_object", "schema": [1]}},
     "schema that is not an object": {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                                                "schema": [1]}}},
     # The same inside tool parameters.

@@ -30,13 +30,17 @@ def disk_stats(client: Client) -> dict:
 
 
 def test_a_restart_keeps_the_prefixes(tmp_path):
+    """...with other slots, and in files only their owner can read (states of users' prompts)."""
     cache_dir = tmp_path / "cache"
     env = {"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}
     prompt = document("lighthouses", 60)
     with run_server("--slots", "2", log_dir=tmp_path, env=env) as server:
         before = Client(server.base_url).complete(prompt)
     assert len(entries(cache_dir)) == 1  # the slot's content, saved at shutdown
-    with run_server("--slots", "2", log_dir=tmp_path, env=env) as server:
+    modes = {path.relative_to(tmp_path): oct(path.stat().st_mode & 0o777)
+             for path in [cache_dir, *cache_dir.rglob("*")]}
+    assert modes == {path: "0o700" if (tmp_path / path).is_dir() else "0o600" for path in modes}, modes
+    with run_server("--slots", "3", log_dir=tmp_path, env=env) as server:
         client = Client(server.base_url)
         after = client.complete(prompt)
         assert cached(after) == after["usage"]["prompt_tokens"] - 1

@@ -50,6 +50,17 @@ def test_json_object_mode(client, model, prompt, sampling):
     assert_json_answer(response.choices[0], dict)
 
 
+@pytest.mark.parametrize("name", ["person", "order_nested"])
+def test_json_object_with_a_schema_enforces_it(client, model, name):
+    """llama-server's `{"type": "json_object", "schema": ...}` is enforced as a json_schema."""
+    schema, prompt = SCHEMAS[name]
+    for seed in (1, 2):
+        response = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt + " Answer in JSON."}], max_tokens=MAX_TOKENS,
+            temperature=1, seed=seed, extra_body={"response_format": {"type": "json_object", "schema": schema}})
+        jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+
+
 
 def test_text_mode_is_unconstrained(client, model):
     plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],

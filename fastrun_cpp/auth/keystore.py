@@ -16,6 +16,8 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastrun_cpp.private import create_private
+
 KEY_PREFIX = "fr_"
 KEY_PATTERN = re.compile(r"fr_[A-Za-z0-9_-]{32,128}")
 _DISPLAY_PREFIX = 7  # "fr_" and 4 characters: enough to tell keys apart in a listing
@@ -283,7 +285,7 @@ class KeyStore:
 
     def _write(self) -> _Transaction:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            create_private(self.path)
             db = sqlite3.connect(self.path, timeout=5)
             db.executescript(_SCHEMA)
             for table, column, definition in _ADDED_COLUMNS:
@@ -291,7 +293,6 @@ class KeyStore:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         except (OSError, sqlite3.Error) as exc:
             raise KeyStoreError(f"cannot write the key store {self.path}: {exc}") from exc
-        self.path.chmod(0o600)
         return _Transaction(db)
 
 

@@ -169,7 +169,8 @@ class AsyncEngine:
         entry, length = self._disk.longest_prefix(prompt, namespace)
         usable = min(length, len(prompt) - 1)
         kv_cache = self.engine.kv_cache
-        if entry is not None and not kv_cache.state_serves(len(entry.tokens), usable):
+        if entry is not None and (len(entry.tokens) > self.engine.config.ctx_size  # saved with a larger context
+                                  or not kv_cache.state_serves(len(entry.tokens), usable)):
             entry = None
         if entry is None or usable < MIN_SAVED_TOKENS or usable <= kv_cache.cached_prefix(prompt, namespace):
             self._disk.stats.misses += 1

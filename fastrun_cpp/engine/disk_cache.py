@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrun_cpp.engine.tokens import PrefixIndex
+from fastrun_cpp.private import open_private, private_directory
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ def _write_identities(known: Path | None, table: dict[str, str]) -> None:
         return
     temporary = known.with_name(f".{known.name}.{os.getpid()}.tmp")
     try:
-        known.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps(table, indent=1, sort_keys=True))
+        private_directory(known.parent)
+        with open_private(temporary, "w") as file:
+            file.write(json.dumps(table, indent=1, sort_keys=True))
         os.replace(temporary, known)  # another server writing at once: one table wins, the other recomputes
     except OSError as exc:
         logger.warning("could not keep model hashes in %s: %s", known, exc)
@@ -140,7 +142,8 @@ class DiskPromptCache:
         self._writer: threading.Thread | None = None
         if self.enabled:
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                private_directory(self.directory.parent)
+                private_directory(self.directory)
             except OSError as exc:
                 logger.warning("prompt cache directory %s is not usable (%s); disk tier off", self.directory, exc)
                 self.capacity_bytes = 0
@@ -244,7 +247,7 @@ class DiskPromptCache:
                              "tokens_crc32": zlib.crc32(token_bytes) & 0xFFFFFFFF, "tenant": tenant}).encode()
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with open(temporary, "wb") as file:
+            with open_private(temporary) as file:
                 file.write(MAGIC)
                 file.write(_HEADER_SIZE.pack(len(header)))
                 file.write(header)

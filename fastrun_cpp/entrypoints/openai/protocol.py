@@ -67,6 +67,8 @@ class ResponseFormatText(RequestModel):
 
 class ResponseFormatJSONObject(RequestModel):
     type: Literal["json_object"]
+    # llama-server's form of a schema: enforced as a non-strict json_schema (the documented one).
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
 class JSONSchemaFormat(RequestModel):

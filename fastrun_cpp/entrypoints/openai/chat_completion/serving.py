@@ -330,7 +330,10 @@ class OpenAIServingChat(OpenAIServing):
             spec = GrammarSpec(gbnf, triggers)
             field = "tools"
         elif response_format is not None and response_format.type != "text":
-            if response_format.type == "json_object":
+            if response_format.type == "json_object" and response_format.schema_ is not None:
+                gbnf = await self.schema_grammar(response_format.schema_, strict=False, field="response_format.schema")
+                plan.lenient_response_schema = response_format.schema_
+            elif response_format.type == "json_object":
                 gbnf = base_grammar("json_object")
             else:
                 json_schema = response_format.json_schema

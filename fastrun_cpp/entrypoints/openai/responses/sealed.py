@@ -18,6 +18,8 @@ import os
 import secrets
 from pathlib import Path
 
+from fastrun_cpp.private import open_private, private_directory
+
 logger = logging.getLogger(__name__)
 
 _PREFIX = "fr1."  # format version
@@ -31,11 +33,10 @@ def load_secret(path: Path) -> bytes:
         return bytes.fromhex(path.read_text().strip())
     except (FileNotFoundError, ValueError):
         pass
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_directory(path.parent)
     key = secrets.token_bytes(32)
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
+    with open_private(temporary, "w") as file:
         file.write(key.hex())
     try:
         os.link(temporary, path)  # the first writer wins; others read what it wrote

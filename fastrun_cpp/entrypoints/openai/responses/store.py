@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastrun_cpp.private import create_private
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
@@ -50,11 +52,11 @@ class ResponseStore:
         self._ready = False
 
     def _connect(self) -> sqlite3.Connection:
+        if not self._ready:
+            create_private(self.path)  # prompts and answers: the owner's only
         connection = sqlite3.connect(self.path, timeout=10)
         if not self._ready:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             connection.executescript(_SCHEMA)
-            self.path.chmod(0o600)  # prompts and answers: the owner's only
             self._ready = True
         return connection
 
