@@ -359,6 +359,10 @@ def test_stuck_grammar_compiles_poison_nothing_and_are_counted(hostile):
 
 # ------------------------------------------------------------------ the other generating APIs
 
+def custom_tool(definition: str, syntax: str = "lark") -> dict:
+    return {"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": syntax, "definition": definition}}
+
+
 RESPONSES_CASES = {
     "200000 input items": {"input": [{"role": "user", "content": "hi"}] * 200000},
     "10000 content parts": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 10000}]},
@@ -378,6 +382,22 @@ RESPONSES_CASES = {
         {"type": "function", "name": f"f{i}", "parameters": {"type": "object"}} for i in range(10000)]}]},
     "a namespace of nothing callable": {"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [
         {"type": "mcp", "server_label": "x"}]}]},
+    # A custom tool's grammar, forced: what would run away is refused before a grammar is built.
+    "a custom tool grammar nested 10000 deep": {"input": "hi", "tool_choice": "required", "tools": [custom_tool(
+        "start: " + "(" * 10000 + '"a"' + ")" * 10000)]},
+    "a custom tool grammar of 1 MB": {"input": "hi", "tool_choice": "required", "tools": [custom_tool(
+        "start: " + '"a" ' * 250_000)]},
+    "a custom tool grammar repeating 10**9 times": {"input": "hi", "tool_choice": "required", "tools": [custom_tool(
+        'start: "a"~1000000000')]},
+    "a custom tool regex repeating 10**9 times": {"input": "hi", "tool_choice": "required", "tools": [custom_tool(
+        "a{1000000000}", syntax="regex")]},
+    "a custom tool grammar with 100000 rules": {"input": "hi", "tool_choice": "required", "tools": [custom_tool(
+        "start: r0\n" + "\n".join(f"r{i}: r{i + 1} r{i + 1}" for i in range(100_000)) + '\nr100000: "a"')]},
+    # Rules that double: one text of 2**200 characters (the grammar is not written out).
+    "a custom tool grammar of doubling rules": {"input": "hi", "tool_choice": "required", "tools": [custom_tool(
+        "start: r0\n" + "\n".join(f"r{i}: r{i + 1} r{i + 1}" for i in range(200)) + '\nr200: "a"')]},
+    "a custom tool grammar that is not Lark": {"input": "hi", "tool_choice": "required", "tools": [custom_tool(
+        "root ::= [a-z]+")]},
     "previous_response_id that does not exist": {"input": "hi", "previous_response_id": "resp_" + "0" * 32},
     "previous_response_id of 1 MB": {"input": "hi", "previous_response_id": "x" * 2**20},
     "a number for input": {"input": 5},

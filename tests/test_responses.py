@@ -4,6 +4,7 @@ text.format, stored responses and previous_response_id (prefix cache hits across
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -242,6 +243,82 @@ def test_a_custom_tools_call_is_a_custom_tool_call(http, streamed):
     calls = [item for item in done if item["type"] == "custom_tool_call"]
     assert calls and calls[0]["name"] == "shell" and isinstance(calls[0]["input"], str) and calls[0]["call_id"]
     assert not [item for item in done if item["type"] == "function_call"]
+    if calls[0]["status"] == "completed":
+        assert re.fullmatch("[a-z ]+", calls[0]["input"]), calls[0]  # its grammar held
+
+
+# Codex CLI's apply_patch tool (codex-rs/core: tool_apply_patch.lark), and the same language as a
+# Python regex to check its answers against.
+APPLY_PATCH = r"""start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+
+%import common.LF
+"""
+APPLY_PATCH_TEXT = re.compile(
+    r"\*\*\* Begin Patch\n("
+    r"\*\*\* Add File: .+\n(\+.*\n)+"
+    r"|\*\*\* Delete File: .+\n"
+    r"|\*\*\* Update File: .+\n(\*\*\* Move to: .+\n)?(((@@|@@ .+)\n|[-+ ].*\n)+(\*\*\* End of File\n)?)?"
+    r")+\*\*\* End Patch\n?")
+
+
+PATCH_LINE = re.compile(r"\*\*\* (Add|Delete|Update) File: .+|\*\*\* Move to: .+|[-+ ].*|@@( .+)?|\*\*\* End of File")
+
+
+def test_a_custom_tools_lark_grammar_is_enforced(http):
+    """Codex's apply_patch, forced: a finished call is a patch, and one cut by
+    max_output_tokens is a patch so far (a tiny model seldom ends one)."""
+    tool = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
+    for seed, prompt in enumerate(["Add a file hello.txt that says hi.", "Delete the file old.txt."]):
+        answer = http.post("/responses", json={
+            "model": DEFAULT_MODEL, "input": prompt, "tools": [tool], "tool_choice": {"type": "custom", "name": "apply_patch"},
+            "temperature": 1, "seed": seed, "max_output_tokens": 100, "store": False})
+        assert answer.status_code == 200, answer.text
+        calls = [item for item in answer.json()["output"] if item["type"] == "custom_tool_call"]
+        assert calls, answer.json()
+        text = calls[0]["input"]
+        if calls[0]["status"] == "completed":
+            assert APPLY_PATCH_TEXT.fullmatch(text), text
+        else:
+            lines = text.split("\n")[:-1]  # the lines it finished
+            assert "*** Begin Patch\n".startswith(text) or lines[0] == "*** Begin Patch", text
+            assert all(PATCH_LINE.fullmatch(line) for line in lines[1:]), text
+
+
+@pytest.mark.parametrize("arguments, text", [
+    ('{"input": "a\\nb"}', "a\nb"), ('{"input": "a\\nb', "a\nb"), ('{"input": "ab\\u00', "ab"),
+    ('{ "input" : "ab"', "ab"), ("not json", "not json")])
+def test_a_custom_calls_text_even_when_cut(arguments, text):
+    from fastrun_cpp.entrypoints.openai.responses.serving import custom_input
+
+    assert custom_input(arguments) == text
+
+
+def test_a_custom_tool_grammar_that_cannot_be_enforced(http):
+    """Forced, it is a 400 naming the grammar; with auto, the input is free text."""
+    tool = {"type": "custom", "name": "shell", "description": "Run a command.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: WORD\n%ignore \" \""}}
+    body = {"model": DEFAULT_MODEL, "input": "List the files.", "tools": [tool], "temperature": 0,
+            "max_output_tokens": 30, "store": False}
+    forced = http.post("/responses", json={**body, "tool_choice": "required"})
+    assert forced.status_code == 400 and "%ignore" in forced.json()["error"]["message"], forced.text
+    assert http.post("/responses", json={**body, "tool_choice": "auto"}).status_code == 200
 
 
 def test_codexs_request_shape_is_served(http):

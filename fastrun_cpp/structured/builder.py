@@ -48,8 +48,9 @@ def _convert(kind: str, payload: dict[str, Any]) -> str:
     if kind == "schema":
         return schema_to_gbnf(payload["schema"], strict=payload["strict"])
     call_format = ToolCallFormat(**payload["format"])
-    functions = [(f["name"], f["parameters"], f["strict"]) for f in payload["functions"]]
-    return tool_calls_gbnf(functions, call_format.call_rule, call_format.calls_rule, relaxed=payload["relaxed"])
+    functions = [(f["name"], f["parameters"], f["strict"], f["text_grammar"]) for f in payload["functions"]]
+    return tool_calls_gbnf(functions, call_format.call_rule, call_format.calls_rule, relaxed=payload["relaxed"],
+                           max_repetition=payload["max_repetition"])
 
 
 def _serve(connection: Connection, hang_on_request: bool) -> None:
@@ -113,17 +114,17 @@ class GrammarBuilder:
         self._check(schema, "the schema")
         return await self._build("schema", {"schema": schema, "strict": strict})
 
-    async def tool_grammar(self, functions: list[tuple[str, Any, bool]], call_format: ToolCallFormat, *,
-                           relaxed: bool = False) -> str:
-        """GBNF for tool calls of these functions (name, parameters, strict) written in
-        `call_format`; raises BuildError.
+    async def tool_grammar(self, functions: list[tuple[str, Any, bool, tuple[str, str] | None]],
+                           call_format: ToolCallFormat, *, relaxed: bool = False) -> str:
+        """GBNF for tool calls of these functions (name, parameters, strict, and the grammar of a
+        custom tool's `input` text or None) written in `call_format`; raises BuildError.
 
         `relaxed` (the model may choose not to call, `tool_choice: auto`): no schema fails the
         request. What breaks a bound or cannot be enforced is left out of the grammar (the
         caller checks the arguments after), and a function whose schema is too large, or
         cannot be converted at all, takes any JSON object as its arguments."""
         checked = []
-        for name, parameters, strict in functions:
+        for name, parameters, strict, text_grammar in functions:
             where = f"function {name!r}: the parameters"
             try:
                 parameters = self._check(parameters, where, relaxed=relaxed)
@@ -132,8 +133,10 @@ class GrammarBuilder:
                     raise
                 logger.info("%s: its arguments are not constrained (%s)", where, exc)
                 parameters = {"type": "object"}
-            checked.append({"name": name, "parameters": parameters, "strict": strict and not relaxed})
-        payload = {"functions": checked, "format": dataclasses.asdict(call_format), "relaxed": relaxed}
+            checked.append({"name": name, "parameters": parameters, "strict": strict and not relaxed,
+                            "text_grammar": text_grammar})
+        payload = {"functions": checked, "format": dataclasses.asdict(call_format), "relaxed": relaxed,
+                   "max_repetition": self.limits.repetition}
         return await self._build("tools", payload)
 
     def _check(self, schema: Any, where: str, *, relaxed: bool = False) -> Any:

@@ -20,6 +20,7 @@ from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
 
 from fastrun_cpp.structured.grammars import base_grammar
 from fastrun_cpp.structured.guard import ANY_CHARACTER, plain_group_opening
+from fastrun_cpp.structured.text_grammar import TextGrammarError, text_grammar_rules
 
 # Keywords the grammar enforces, and annotations that constrain nothing.
 _ENFORCED = {
@@ -461,36 +462,60 @@ def _same_length(low: str, high: str) -> list[str]:
 # ------------------------------------------------------------------ tool calls
 
 def tool_calls_gbnf(
-    functions: list[tuple[str, dict[str, Any], bool]],
+    functions: list[tuple],
     call_rule: Callable[[str, str], str],
     calls_rule: Callable[[str], str],
     *,
     relaxed: bool = False,
+    max_repetition: int = 10_000,
 ) -> str:
     """A grammar of tool calls: `call_rule(name_literal, arguments_rule)` writes one call in
     the model's format, `calls_rule(call)` how many there are. Each function (name,
-    parameters, strict) has its arguments follow its `parameters` schema, checked like a
-    response_format schema: all of it when strict, else what a grammar can enforce.
-    `relaxed`: a function whose schema cannot be converted takes any JSON object."""
+    parameters, strict[, text_grammar]) has its arguments follow its `parameters` schema,
+    checked like a response_format schema: all of it when strict, else what a grammar can
+    enforce; a custom tool's (its `text_grammar`: syntax, definition) are `{"input": text}`
+    with the text in that grammar. `relaxed`: a function whose schema or grammar cannot be
+    converted takes any JSON object (a custom tool: any text)."""
     if not functions:
         raise SchemaError("no functions to call")
     order: dict[str, int] = {}
-    for _, parameters, _ in functions:
+    for _, parameters, *_ in functions:
         order.update({k: v + len(order) for k, v in _property_order(parameters).items() if k not in order})
     converter = _Converter(order)
     alternatives = []
-    for index, (name, parameters, strict) in enumerate(functions):
+    for index, (name, parameters, strict, *rest) in enumerate(functions):
+        text_grammar = rest[0] if rest else None
         try:
-            arguments_rule = _arguments_rule(converter, index, name, parameters, strict)
+            if text_grammar is not None:
+                arguments_rule = _text_arguments_rule(converter, index, name, *text_grammar,
+                                                      max_repetition=max_repetition)
+            else:
+                arguments_rule = _arguments_rule(converter, index, name, parameters, strict)
         except SchemaError:
             if not relaxed:
                 raise
-            arguments_rule = _arguments_rule(converter, index, name, {"type": "object"}, False)
+            # A custom tool's input is then any text; a function's arguments any object.
+            fallback = parameters if text_grammar is not None else {"type": "object"}
+            arguments_rule = _arguments_rule(converter, index, name, fallback, False)
         name_literal = converter._format_literal(name)[1:-1]  # escaped, without the quotes
         alternatives.append(converter._add_rule(f"fn{index}-call", call_rule(f'"{name_literal}"', arguments_rule)))
     call = converter._add_rule("call", " | ".join(alternatives))
     converter._add_rule("root", calls_rule(call))
     return converter.format_grammar()
+
+
+def _text_arguments_rule(converter: _Converter, index: int, name: str, syntax: str, definition: str, *,
+                         max_repetition: int) -> str:
+    """Add the rules of a custom tool's arguments, `{"input": text}` with the text in its
+    grammar; the name of their rule (SchemaError if the grammar cannot be enforced)."""
+    try:
+        rules = text_grammar_rules(syntax, definition, prefix=f"fn{index}-text", max_repetition=max_repetition)
+    except TextGrammarError as exc:
+        raise SchemaError(f"custom tool {name!r}: its {syntax} grammar cannot be enforced: {exc}") from exc
+    for rule_name, body in rules.items():
+        converter._add_rule(rule_name, body)
+    root = next(iter(rules))
+    return converter._add_rule(f"fn{index}-args", f'"{{" space "\\"input\\"" space ":" space "\\"" {root} "\\"" space "}}"')
 
 
 def _arguments_rule(converter: _Converter, index: int, name: str, parameters: Any, strict: bool) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from fastrun_cpp.entrypoints.openai.protocol_base import (  # noqa: F401 (re-exported)
     RequestModel,
@@ -45,6 +45,9 @@ class FunctionDefinition(RequestModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # true: every schema keyword must be enforced, else a 400
+    # (syntax, definition) of a Responses custom tool's grammar, which its `input` string's text
+    # follows: set by the server, never by a client.
+    _text_grammar: tuple[str, str] | None = PrivateAttr(None)
 
 
 class Tool(RequestModel):

@@ -316,7 +316,8 @@ class OpenAIServingChat(OpenAIServing):
                 return  # calls are still parsed, just not enforced
             try:
                 gbnf = await self.grammar_builder.tool_grammar(
-                    [(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict)) for f in functions],
+                    [(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict), f._text_grammar)
+                     for f in functions],
                     tool_parser.call_format(plan.max_calls or MAX_PARALLEL_CALLS), relaxed=lazy_tools,
                 )
             except BuildError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
@@ -71,6 +72,7 @@ class ToolSet:
 
     def __init__(self, request: ResponsesRequest) -> None:
         self.functions: list[dict[str, Any]] = []
+        self.text_grammars: dict[str, tuple[str, str]] = {}  # chat name -> a custom tool's (syntax, definition)
         self._origin: dict[str, tuple[str, str | None, str]] = {}  # chat name -> (kind, namespace, name)
         hosted = []
         for tool in request.tools or []:
@@ -106,8 +108,9 @@ class ToolSet:
         else:
             description = tool.description or ""
             if tool.format is not None and tool.format.type == "grammar" and tool.format.definition:
-                description += (f"\n\nIts input follows this {tool.format.syntax or 'lark'} grammar:\n"
-                                f"{tool.format.definition}")
+                syntax = tool.format.syntax or "lark"
+                description += f"\n\nIts input follows this {syntax} grammar:\n{tool.format.definition}"
+                self.text_grammars[name] = (syntax, tool.format.definition)
             function = {"name": name, "description": description.strip(), "parameters": {
                 "type": "object", "properties": {"input": {"type": "string", "description": "The tool's input, "
                                                            "as plain text."}},
@@ -125,13 +128,28 @@ class ToolSet:
                                   namespace=namespace)
 
 
+_INPUT_OPENING = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+
+
 def custom_input(arguments: str) -> str:
-    """A custom tool's text from the arguments the model wrote for it ({"input": ...})."""
+    """A custom tool's text from the arguments the model wrote for it ({"input": ...}); of a
+    call cut short (max_output_tokens), the text as far as it got."""
     try:
         value = json.loads(arguments)
     except (ValueError, RecursionError):
-        return arguments
+        opening = _INPUT_OPENING.match(arguments)
+        return _string_so_far(arguments[opening.end():]) if opening else arguments
     return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
+def _string_so_far(body: str) -> str:
+    """A JSON string's content, perhaps cut in an escape or followed by its closing quote."""
+    for end in range(len(body), max(len(body) - 7, -1), -1):
+        try:
+            return json.loads(f'"{body[:end]}"')
+        except ValueError:
+            continue
+    return body
 
 
 def conversation_items(request: ResponsesRequest, seal: ReasoningSeal, account: str) -> list[dict[str, Any]]:
@@ -218,6 +236,8 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]], tool
         chat = ChatCompletionRequest.model_validate(data)
     except ValueError as exc:
         raise bad_request(f"input: {exc}") from None
+    for tool in chat.tools or []:
+        tool.function._text_grammar = tools.text_grammars.get(tool.function.name)
     if request.max_output_tokens is not None:
         # The Responses API's bound on max_output_tokens, checked by ResponsesRequest, not chat's.
         chat = chat.model_copy(update={"max_tokens": request.max_output_tokens})
