@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Build llama.cpp's C++ `llama-server` from the llama.cpp sources vendored in the
-# llama-cpp-python sdist we depend on, with the same CMake flags, for side-by-side benchmarks.
+# llama-cpp-python sdist we depend on, as users build it: llama.cpp's default options (native
+# CPU, llamafile's tinyBLAS on), none of ours, no patches. The baseline of side-by-side benchmarks.
 # Output: .bench/llama-server (ignored by git). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 work=.bench/llama.cpp-$version
 binary=.bench/llama-server
-if [[ -x $binary && -f $work/.built ]]; then
+if [[ -x $binary && -f $work/.built-defaults ]]; then
     echo "$binary is up to date"
     exit 0
 fi
@@ -20,11 +21,10 @@ if [[ ! -d $work/src ]]; then
         "llama_cpp_python-$version/vendor/llama.cpp"
     mkdir -p "$work/src" && touch "$work/src/.extracted"
 fi
-# shellcheck disable=SC2086
+rm -rf "$work/build" "$work/.built"  # a build with other options (this script once passed ours)
 cmake -S "$work" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
-    -DBUILD_SHARED_LIBS=OFF $(make -s --no-print-directory llama-cmake-args)
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 cmake --build "$work/build" --target llama-server -j "$(nproc)"
 cp "$work/build/bin/llama-server" "$binary"
-touch "$work/.built"
+touch "$work/.built-defaults"
 echo "built $binary"

@@ -3,7 +3,7 @@
     .venv/bin/python bench/matrix.py [--rounds 2] [--models smollm2,gemma] [--cells prefill,decode,...]
 
 llama-server comes from `bench/build_llama_server.sh` (the llama.cpp that llama-cpp-python
-vendors, built with this machine's CPU flags). Both servers get the same model file, threads,
+vendors, built as users build it: llama.cpp's default options, llamafile's tinyBLAS on). Both servers get the same model file, threads,
 slots (16) and context per slot (5120). Servers alternate within every round.
 
 Cells (temperature 0, streamed chats, default fastrun-cpp settings: exact mode, n-gram drafts):
