@@ -19,7 +19,7 @@ from fastrun_cpp.parsers import TOOL_PARSERS
 from fastrun_cpp.parsers.reasoning import ThinkTagParser
 from fastrun_cpp.structured.json_schema import schema_to_gbnf, tool_calls_gbnf
 from fastrun_cpp.structured.reasoning import with_optional_reasoning
-from fastrun_cpp.structured.spec import GrammarSpec
+from fastrun_cpp.structured.spec import CallableFunction, GrammarSpec
 from tests.json_prefix import assert_json_answer
 
 GRAMMARS = sorted(p.stem for p in (Path(__file__).parents[1] / "grammars").glob("*.gbnf"))
@@ -114,7 +114,8 @@ FORCEABLE_PARSERS = sorted(name for name, parser in TOOL_PARSERS.items() if pars
 def test_tool_call_grammars_run_on_llguidance(compiler, parser_name):
     """Every grammar the server generates runs on llguidance, not on llama.cpp's fallback."""
     parser = TOOL_PARSERS[parser_name]()
-    gbnf = tool_calls_gbnf([("save_tree", TREE, True), ("f", {"type": "object"}, False)], parser.call_grammar,
+    gbnf = tool_calls_gbnf([CallableFunction("save_tree", TREE, True), CallableFunction("f", {"type": "object"})],
+                           parser.call_grammar,
                            lambda call: parser.calls_grammar(call, at_least=1, at_most=None))
     assert compiler.compile_now(GrammarSpec(gbnf)).engine == "llguidance"
 

@@ -26,7 +26,7 @@ from fastrun_cpp.parsers.tool_calls import (
     PythonicToolParser,
 )
 from fastrun_cpp.structured.json_schema import tool_calls_gbnf
-from fastrun_cpp.structured.spec import GrammarSpec
+from fastrun_cpp.structured.spec import CallableFunction, GrammarSpec
 from tests.server import DEFAULT_MODEL
 
 FRAGMENTS = [
@@ -88,8 +88,8 @@ def vocab():
 @pytest.fixture(scope="module")
 def call_grammar(vocab):
     parser = HermesToolParser()
-    gbnf = tool_calls_gbnf([("f", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                                   "required": ["city"]}, True)],
+    gbnf = tool_calls_gbnf([CallableFunction("f", {"type": "object", "properties": {
+                               "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}, True)],
                            parser.call_grammar, lambda call: parser.calls_grammar(call, at_least=1, at_most=2))
     return GrammarCompiler(vocab).compile_now(GrammarSpec(gbnf, parser.lazy_triggers()))
 

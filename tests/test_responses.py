@@ -277,7 +277,8 @@ APPLY_PATCH_TEXT = re.compile(
     r")+\*\*\* End Patch\n?")
 
 
-PATCH_LINE = re.compile(r"\*\*\* (Add|Delete|Update) File: .+|\*\*\* Move to: .+|[-+ ].*|@@( .+)?|\*\*\* End of File")
+PATCH_LINE = re.compile(r"\*\*\* (Add|Delete|Update) File: .+|\*\*\* Move to: .+|[-+ ].*|@@( .+)?|\*\*\* End of File"
+                        r"|\*\*\* End Patch")
 
 
 def test_a_custom_tools_lark_grammar_is_enforced(http):

@@ -23,7 +23,7 @@ from typing import Any
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.structured.guard import PatternError, SchemaBoundsError, check_schema_bounds
-from fastrun_cpp.structured.spec import ToolCallFormat
+from fastrun_cpp.structured.spec import CallableFunction, ToolCallFormat
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _convert(kind: str, payload: dict[str, Any]) -> str:
     if kind == "schema":
         return schema_to_gbnf(payload["schema"], strict=payload["strict"])
     call_format = ToolCallFormat(**payload["format"])
-    functions = [(f["name"], f["parameters"], f["strict"], f["text_grammar"]) for f in payload["functions"]]
+    functions = [CallableFunction(**function) for function in payload["functions"]]
     return tool_calls_gbnf(functions, call_format.call_rule, call_format.calls_rule, relaxed=payload["relaxed"],
                            max_repetition=payload["max_repetition"])
 
@@ -114,10 +114,9 @@ class GrammarBuilder:
         self._check(schema, "the schema")
         return await self._build("schema", {"schema": schema, "strict": strict})
 
-    async def tool_grammar(self, functions: list[tuple[str, Any, bool, tuple[str, str] | None]],
-                           call_format: ToolCallFormat, *, relaxed: bool = False) -> str:
-        """GBNF for tool calls of these functions (name, parameters, strict, and the grammar of a
-        custom tool's `input` text or None) written in `call_format`; raises BuildError.
+    async def tool_grammar(self, functions: list[CallableFunction], call_format: ToolCallFormat, *,
+                           relaxed: bool = False) -> str:
+        """GBNF for tool calls of these functions written in `call_format`; raises BuildError.
 
         `relaxed` (the model may choose not to call, `tool_choice: auto`): no schema fails the
         request. What breaks a bound or cannot be enforced is left out of the grammar (the
@@ -133,8 +132,7 @@ class GrammarBuilder:
                     raise
                 logger.info("%s: its arguments are not constrained (%s)", where, exc)
                 parameters = {"type": "object"}
-            checked.append({"name": name, "parameters": parameters, "strict": strict and not relaxed,
-                            "text_grammar": text_grammar})
+            checked.append(CallableFunction(name, parameters, strict and not relaxed, text_grammar)._asdict())
         payload = {"functions": checked, "format": dataclasses.asdict(call_format), "relaxed": relaxed,
                    "max_repetition": self.limits.repetition}
         return await self._build("tools", payload)

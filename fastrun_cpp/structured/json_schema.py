@@ -20,6 +20,7 @@ from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
 
 from fastrun_cpp.structured.grammars import base_grammar
 from fastrun_cpp.structured.guard import ANY_CHARACTER, plain_group_opening
+from fastrun_cpp.structured.spec import CallableFunction
 from fastrun_cpp.structured.text_grammar import TextGrammarError, text_grammar_rules
 
 # Keywords the grammar enforces, and annotations that constrain nothing.
@@ -462,7 +463,7 @@ def _same_length(low: str, high: str) -> list[str]:
 # ------------------------------------------------------------------ tool calls
 
 def tool_calls_gbnf(
-    functions: list[tuple],
+    functions: list[CallableFunction],
     call_rule: Callable[[str, str], str],
     calls_rule: Callable[[str], str],
     *,
@@ -470,21 +471,18 @@ def tool_calls_gbnf(
     max_repetition: int = 10_000,
 ) -> str:
     """A grammar of tool calls: `call_rule(name_literal, arguments_rule)` writes one call in
-    the model's format, `calls_rule(call)` how many there are. Each function (name,
-    parameters, strict[, text_grammar]) has its arguments follow its `parameters` schema,
-    checked like a response_format schema: all of it when strict, else what a grammar can
-    enforce; a custom tool's (its `text_grammar`: syntax, definition) are `{"input": text}`
-    with the text in that grammar. `relaxed`: a function whose schema or grammar cannot be
-    converted takes any JSON object (a custom tool: any text)."""
+    the model's format, `calls_rule(call)` how many there are. A function's arguments are
+    checked like a response_format schema (CallableFunction says how). `relaxed`: a function
+    whose schema or grammar cannot be converted takes any JSON object (a custom tool: any
+    text)."""
     if not functions:
         raise SchemaError("no functions to call")
     order: dict[str, int] = {}
-    for _, parameters, *_ in functions:
-        order.update({k: v + len(order) for k, v in _property_order(parameters).items() if k not in order})
+    for function in functions:
+        order.update({k: v + len(order) for k, v in _property_order(function.parameters).items() if k not in order})
     converter = _Converter(order)
     alternatives = []
-    for index, (name, parameters, strict, *rest) in enumerate(functions):
-        text_grammar = rest[0] if rest else None
+    for index, (name, parameters, strict, text_grammar) in enumerate(functions):
         try:
             if text_grammar is not None:
                 arguments_rule = _text_arguments_rule(converter, index, name, *text_grammar,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,14 @@ class ToolCallFormat:
 
     def calls_rule(self, call_rule: str) -> str:
         return self.calls.replace(self.CALL, call_rule)
+
+
+class CallableFunction(NamedTuple):
+    """A function a tool-call grammar lets the model call: its arguments follow `parameters`
+    (all of it when `strict`, else what a grammar can enforce), or, for a custom tool, they
+    are {"input": text} with the text in `text_grammar` (syntax, definition)."""
+
+    name: str
+    parameters: dict[str, Any]
+    strict: bool = False
+    text_grammar: tuple[str, str] | None = None

@@ -46,7 +46,7 @@ from fastrun_cpp.runtime import EngineStream, ModelRuntime
 from fastrun_cpp.structured import base_grammar, closed_object_keys
 from fastrun_cpp.structured.builder import BuildError
 from fastrun_cpp.structured.reasoning import with_optional_reasoning
-from fastrun_cpp.structured.spec import GrammarSpec, Trigger
+from fastrun_cpp.structured.spec import CallableFunction, GrammarSpec, Trigger
 from fastrun_cpp.structured.validation import check_instance
 
 logger = logging.getLogger(__name__)
@@ -316,8 +316,8 @@ class OpenAIServingChat(OpenAIServing):
                 return  # calls are still parsed, just not enforced
             try:
                 gbnf = await self.grammar_builder.tool_grammar(
-                    [(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict), f._text_grammar)
-                     for f in functions],
+                    [CallableFunction(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict),
+                                      f._text_grammar) for f in functions],
                     tool_parser.call_format(plan.max_calls or MAX_PARALLEL_CALLS), relaxed=lazy_tools,
                 )
             except BuildError as exc:
