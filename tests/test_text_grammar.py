@@ -109,3 +109,10 @@ NUMBER: INT
 def test_what_cannot_be_enforced_is_refused(syntax, definition, problem):
     with pytest.raises(TextGrammarError, match=problem):
         text_grammar_rules(syntax, definition, prefix="text", max_repetition=1000)
+
+
+def test_common_terminals(model, compiler):
+    gbnf = string_grammar("lark", 'start: ESCAPED_STRING " " SIGNED_NUMBER\n'
+                                  "%import common.(ESCAPED_STRING, SIGNED_NUMBER)")
+    for text, expected in [('"a\\"b" -1.5e3', True), ('"ab" 12', True), ('"a"b" 1', False), ('"ab" x', False)]:
+        assert accepts(model, compiler, gbnf, text) == expected, text

@@ -39,7 +39,9 @@ _JSON_NAMED_ESCAPES = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r", 0x
 _COMMON = {
     "LF": r'"\n"', "CR": r'"\r"', "NEWLINE": "(CR? LF)+", "WS": r"/[ \t\f\r\n]/+", "WS_INLINE": r'(" "|/\t/)+',
     "DIGIT": '"0".."9"', "HEXDIGIT": '"a".."f" | "A".."F" | DIGIT', "INT": "DIGIT+", "SIGNED_INT": '["+"|"-"] INT',
-    "DECIMAL": 'INT "." INT? | "." INT', "LCASE_LETTER": '"a".."z"', "UCASE_LETTER": '"A".."Z"',
+    "DECIMAL": 'INT "." INT? | "." INT', "_EXP": '("e"|"E") SIGNED_INT', "FLOAT": "INT _EXP | DECIMAL _EXP?",
+    "SIGNED_FLOAT": '["+"|"-"] FLOAT', "NUMBER": "FLOAT | INT", "SIGNED_NUMBER": '["+"|"-"] NUMBER',
+    "ESCAPED_STRING": r'"\"" /([^"\\\n]|\\.)*/ "\""', "LCASE_LETTER": '"a".."z"', "UCASE_LETTER": '"A".."Z"',
     "LETTER": "UCASE_LETTER | LCASE_LETTER", "WORD": "LETTER+", "CNAME": '("_"|LETTER) ("_"|LETTER|DIGIT)*',
     "SH_COMMENT": r"/#[^\n]*/", "CPP_COMMENT": r"/\/\/[^\n]*/",
 }
