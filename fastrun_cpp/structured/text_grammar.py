@@ -254,6 +254,7 @@ class _Lark:
         self.writer = writer
         self.definitions: dict[str, str] = {}
         self.rule_names: dict[str, str] = {}
+        self._position = 0  # the token the parse of a definition is at
 
     def translate(self, text: str) -> None:
         order: list[str] = []
@@ -281,7 +282,8 @@ class _Lark:
             raise TextGrammarError("the grammar has no start rule")
         self.writer.rules[self.writer.prefix] = ""  # the root comes first
         for name in ["start", *[n for n in self.definitions if n != "start"]]:
-            self.writer.rules[self._rule(name)] = self._expansions(self._tokens(self.definitions[name]), 0)
+            self._position = 0
+            self.writer.rules[self._rule(name)] = self._expansions(self._tokens(self.definitions[name]))
         self.writer.rules[self.writer.prefix] = self._rule("start")
 
     def _directive(self, line: str) -> None:
@@ -323,11 +325,10 @@ class _Lark:
         return tokens
 
     # expansions := sequence ("|" sequence)* ; sequence := item* ("->" name)?
-    def _expansions(self, tokens: list[tuple[str, str]], position: int, depth: int = 0,
-                    closing: str | None = None) -> str:
+    def _expansions(self, tokens: list[tuple[str, str]], depth: int = 0, closing: str | None = None) -> str:
+        """From self._position (the token a parse is at) to the closing token, left there."""
         if depth > MAX_NESTING:
             raise TextGrammarError(f"the grammar nests deeper than {MAX_NESTING}")
-        self._position = position
         alternatives = [self._sequence(tokens, depth)]
         while tokens[self._position] == ("op", "|"):
             self._position += 1
@@ -376,7 +377,7 @@ class _Lark:
         self._position += 1
         if value in ("(", "["):
             closing = ")" if value == "(" else "]"
-            inner = self._expansions(tokens, self._position, depth + 1, closing)
+            inner = self._expansions(tokens, depth + 1, closing)
             self._position += 1
             return f"({inner})" if closing == ")" else f"({inner})?"
         if kind == "string":
