@@ -26,6 +26,10 @@ class Limits(BaseModel):
         32768, ge=64, description="Objects and arrays in one request body: what decoding and validating it may cost "
         "(each a few microseconds, holding the interpreter)."
     )
+    json_depth: int = Field(
+        256, ge=16, le=512, description="Nesting depth of one request body: what is built from it walks it by "
+        "recursion (templates, escaping, validation)."
+    )
     embedding_inputs: int = Field(2048, ge=1, description="Inputs in one embeddings request.")
     # JSON schemas (response_format, tool parameters) and their patterns.
     schema_depth: int = Field(32, ge=1, description="Nesting depth of a JSON schema.")

@@ -185,3 +185,39 @@ def test_malformed_bodies_are_400(server, content):
                           headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_of_128_choices_never_holds_up_the_queue(tmp_path):
+    """n beyond the slots runs in waves on whatever slots are free: the small requests sent
+    after it are answered while one slot is held by a stream that has not ended."""
+    with run_server("--slots", "2", "--ctx-size", "1024", log_dir=tmp_path) as server:
+        stop, running = threading.Event(), threading.Event()
+        holder = threading.Thread(target=hold_stream, args=(server.base_url, running, stop))
+        holder.start()
+        try:
+            assert running.wait(60)
+            wide: dict[str, httpx.Response] = {}
+            sender = threading.Thread(target=lambda: wide.update(response=httpx.post(
+                f"{server.base_url}/completions", json={**SHORT, "n": 128, "max_tokens": 2}, timeout=300)))
+            sender.start()
+            assert wait_until(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] >= 1, timeout=30)
+            for _ in range(3):
+                small = httpx.post(f"{server.base_url}/completions", json=SHORT, timeout=120)
+                assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] >= 1
+            assert holder.is_alive() and not stop.is_set()  # the held slot never came free
+        finally:
+            stop.set()
+            holder.join()
+        sender.join()
+        answer = wide["response"]
+        assert answer.status_code == 200, answer.text
+        assert sorted(choice["index"] for choice in answer.json()["choices"]) == list(range(128))
+
+
+def test_choices_that_end_at_their_first_token_all_answer(server):
+    response = httpx.post(f"{server.base_url}/completions", json={**SHORT, "n": 4, "max_tokens": 1}, timeout=120)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert sorted(choice["index"] for choice in body["choices"]) == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 4
+    assert server.busy_slots() == 0 or wait_until(lambda: server.busy_slots() == 0, timeout=30)

@@ -62,15 +62,33 @@ def test_requests_start_first_come_first_served():
     assert [item.request.request_id for item in sched.queue] == ["c"]
 
 
-def test_a_first_wave_waits_for_as_many_slots_as_it_has_choices():
+def test_a_wide_request_takes_the_free_slots_and_never_holds_up_the_queue():
     sched = scheduler(3)
     occupy(sched._slots[0], "busy")
     sched.queue.push(waiting("wide", n=3))
     sched.queue.push(waiting("small"))
-    # Two slots are free but the wide request's first wave needs all three: nothing overtakes it.
-    assert admit_all(sched) == []
+    # Two slots are free: the wide request's first wave takes them, its last choice waits
+    # behind the small request that came after it.
+    assert admit_all(sched) == [("wide", [0, 1], True)]
+    assert [item.request.request_id for item in sched.queue] == ["small", "wide"]
     sched._slots[0].release(1)
-    assert admit_all(sched) == [("wide", [0, 1, 2], True)]
+    assert admit_all(sched) == [("small", [0], True)]
+
+
+def test_a_request_of_more_choices_than_slots_never_blocks_admission():
+    sched = scheduler(2)
+    occupy(sched._slots[0], "busy")
+    sched.queue.push(waiting("huge", n=128))
+    for name in "abc":
+        sched.queue.push(waiting(name))
+    started = admit_all(sched)
+    assert started == [("huge", [0], True)]
+    # Each slot that frees goes to the next in line: the small requests are not starved.
+    order = []
+    for turn in range(4):
+        sched._slots[turn % 2].release(turn + 2)
+        order += [request_id for request_id, _, _ in admit_all(sched)]
+    assert order[:4] == ["a", "b", "c", "huge"]
 
 
 def test_choices_beyond_the_slot_count_take_turns_with_the_requests_behind():

@@ -128,13 +128,19 @@ CHAT_CASES = {
     "a float for an integer": {"max_tokens": 16.5},
     "top_logprobs without logprobs": {"top_logprobs": 3},
     "a chat template kwarg of the wrong kind": {"chat_template_kwargs": ["not", "a", "mapping"]},
+    "a chat template kwarg nested 900 deep": {"chat_template_kwargs": {"a": json.loads(deep_json(900))}},
+    "an unknown field nested 900 deep": {"x_extra": json.loads(deep_json(900))},
+    # Every choice ends at its first token, in the step that evaluated the prompt: the
+    # followers copy the prompt's KV from a slot already released.
+    "128 choices of one token": {"n": 128, "max_tokens": 1},
+    "4 choices of one token": {"n": 4, "max_tokens": 1, "temperature": 0},
 }
 
 # Cases a server may serve as well as refuse (never with a 5xx, a stall or a crash).
 SERVED_OR_REFUSED = {
     "self-referencing schema", "deeply nested call arguments in history", "recursion that never terminates",
     "refs in a circle", "a chain of 100 recursive definitions", "a pattern that matches exponentially",
-    "a pattern alternating 3000 words",
+    "a pattern alternating 3000 words", "128 choices of one token", "4 choices of one token",
 }
 
 COMPLETION_CASES = {

@@ -650,9 +650,12 @@ class Engine:
                 self._score_prompt_chunk(slot)
         outputs = [self._sample(slot) for slot in plan.decoding]
         for slot in finishing_prefill:
+            # What the followers copy is read before the leader samples: an answer that ends
+            # at its first token releases the leader's slot.
             request, followers, slot.followers = slot.request, slot.followers, []
+            prompt_view = (slot.batch_indices, slot.cached_tokens, slot.prompt_logprobs)
             outputs.append(self._sample(slot))
-            outputs.extend(self._fork(slot, request, followers))
+            outputs.extend(self._fork(slot, request, followers, prompt_view))
         elapsed = time.perf_counter() - started
         self._throughput.step(sum(len(o.token_ids) for o in outputs), elapsed)
         # A step without prompt chunks that llama.cpp ran in one pass prices a pass of its rows.
@@ -778,17 +781,21 @@ class Engine:
             logits = llama.llama_get_logits_ith(self._ctx, first_index + offset)
             slot.prompt_logprobs.append(token_logprob(logits, self.model.n_vocab, prompt[position + 1], top_n))
 
-    def _fork(self, leader: Slot, request: GenerationRequest, followers: list[Slot]) -> list[GenerationOutput]:
+    def _fork(self, leader: Slot, request: GenerationRequest, followers: list[Slot],
+              prompt_view: tuple[list[int], int, list]) -> list[GenerationOutput]:
         """The other choices of a request (n > 1) take a copy of the prompt's KV the leader just
-        computed, and draw their first token from the same logits with their own samplers."""
+        computed, and draw their first token from the same logits with their own samplers.
+        `prompt_view` is the leader's batch indices, cached tokens and prompt logprobs of this
+        step, read before it sampled."""
+        batch_indices, cached_tokens, prompt_logprobs = prompt_view
         outputs = []
         for follower in followers:
             if follower.request is not request:  # aborted meanwhile
                 continue
             self.kv_cache.copy(leader, follower)
-            follower.cached_tokens = leader.cached_tokens
-            follower.prompt_logprobs = leader.prompt_logprobs
-            follower.batch_indices = leader.batch_indices
+            follower.cached_tokens = cached_tokens
+            follower.prompt_logprobs = prompt_logprobs
+            follower.batch_indices = batch_indices
             follower.draft = []
             outputs.append(self._sample(follower))
         return outputs

@@ -30,10 +30,10 @@ class Paused:
 
 @dataclass(eq=False)
 class WaitingRequest:
-    """A queued request and the choices of it not started yet. A request with more choices
-    than slots runs them in waves: the first takes as many slots as there are (the prompt is
-    evaluated once for all of them), later ones start as slots free up and find the prompt's
-    KV in the cache. A preempted choice waits as a request of its own, `paused`."""
+    """A queued request and the choices of it not started yet. Its choices run in waves, each
+    on the slots free when it starts: the first evaluates the prompt once for all of its
+    choices, later ones find the prompt's KV in the cache. A preempted choice waits as a
+    request of its own, `paused`."""
 
     request: GenerationRequest
     grammar: CompiledGrammar | None

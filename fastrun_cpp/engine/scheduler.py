@@ -54,16 +54,17 @@ class Scheduler:
         return [slot for slot in self._slots if slot.is_free]
 
     def admissions(self) -> Iterator[Admission | Preemption]:
-        """The waves that start now, in the queue's order. A request's first wave waits until
-        that many slots are free (at most all of them); a later wave starts on whatever slots
-        are free and goes back to the queue with the choices still to run. Where the queue's
+        """The waves that start now, in the queue's order. A wave starts on whatever slots are
+        free (the first evaluates the prompt once for its choices; later ones find its KV in
+        the cache) and goes back to the queue with the choices still to run, so a request of
+        many choices never holds up the requests behind it. Where the queue's
         policy says a waiting request deserves a running one's slot, that one is preempted
         first. The caller carries out each before asking for the next."""
         preempted: set[int] = set()
         preempting = False
         while (item := self.queue.peek()) is not None:
             free = len(self.free_slots())
-            if free < (1 if item.started else self.places_of(len(item.pending))):
+            if free == 0:
                 victim = self.queue.victim(item, [slot for slot in self._slots if not slot.is_free])
                 if victim is None or victim.seq_id in preempted:  # the caller could not free it
                     return

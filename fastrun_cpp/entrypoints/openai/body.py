@@ -86,24 +86,27 @@ def check_shape(body: dict[str, Any], limits: Limits) -> None:
     for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
         if isinstance(text, str) and len(text) > limits.stop_length:
             raise LimitExceeded("stop_length", f"a stop string is {len(text)} characters, over {limits.stop_length}")
-    containers = _containers(body, limits.json_containers)
+    containers, depth = _containers(body, limits.json_containers)
     if containers > limits.json_containers:
         raise LimitExceeded("json_containers", f"the request body has more than {limits.json_containers} "
                                                "objects and arrays")
+    if depth > limits.json_depth:
+        raise LimitExceeded("json_depth", f"the request body nests objects and arrays {depth} deep, over "
+                                          f"{limits.json_depth}")
 
 
-def _containers(value: Any, limit: int) -> int:
-    """Objects and arrays in a decoded JSON value, counted up to just past `limit`."""
-    count, stack = 0, [value]
+def _containers(value: Any, limit: int) -> tuple[int, int]:
+    """Objects and arrays in a decoded JSON value, counted up to just past `limit`, and the
+    deepest nesting among those counted."""
+    count = deepest = 0
+    stack = [(value, 1)]
     while stack and count <= limit:
-        item = stack.pop()
-        if isinstance(item, dict):
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
             count += 1
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            count += 1
-            stack.extend(item)
-    return count
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return count, deepest
 
 
 class BodyChecker:
