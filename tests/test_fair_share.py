@@ -4,12 +4,14 @@ per-account limits answer 429 with Retry-After; usage per account is kept across
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.server import DEFAULT_MODEL, run_server
+from tests.server import DEFAULT_MODEL, run_server, wait_until
 from tests.test_keys import bearer, create_key, keys_cli
 from tests.test_observability import metric
 
@@ -150,3 +152,97 @@ def test_usage_per_account_is_kept_across_restarts(tmp_path):
     future = keys_cli(db, "usage", "--since", "2999-01-01")
     assert "counted" not in future.stdout
     assert keys_cli(db, "usage", "--since", "yesterday").returncode != 0
+
+
+def usage_row(db, account: str) -> dict[str, int]:
+    listing = keys_cli(db, "usage", "--account", account, "--since", "2000-01-01")
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.strip().splitlines()[1:]]
+    row = next((r for r in rows if r[0] == account), [account, "0", "0", "0", "0"])
+    return dict(zip(("requests", "prompt", "cached", "completion"), map(int, row[1:])))
+
+
+def completion(server, key: str, max_tokens: int, **extra) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/completions", headers=bearer(key), timeout=300, json={
+        "model": DEFAULT_MODEL, "prompt": NUMBERS, "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+def hold(server, key: str, held: list, ready: threading.Event, release: threading.Event) -> None:
+    """Stream a long answer with `key` until told to stop (one request in flight)."""
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{server.base_url}/completions", headers=bearer(key), json={
+                "model": DEFAULT_MODEL, "prompt": NUMBERS, "max_tokens": 900, "temperature": 0,
+                "stream": True}) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            held.append(response.status_code)
+            ready.set()
+            release.wait(120)
+
+
+def test_limits_hold_under_parallel_bursts(tmp_path):
+    db = tmp_path / "keys.sqlite3"
+    keys = {name: create_key(db, name) for name in ("tokens", "requests", "concurrent")}
+    for command in (("limit", "tokens", "--tpm", "400"), ("limit", "requests", "--rpm", "5"),
+                    ("limit", "concurrent", "--concurrent", "2")):
+        assert keys_cli(db, *command).returncode == 0
+    with run_server("--slots", "2", "--ctx-size", "1024", "--max-queue", "16", log_dir=tmp_path,
+                    env={"FASTRUN_KEYS_DB": str(db)}) as server:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            # tpm: each request may use its prompt and max_tokens; what is in flight counts.
+            burst = list(pool.map(lambda _: completion(server, keys["tokens"], 100), range(8)))
+            served = [r for r in burst if r.status_code == 200]
+            refused = [r for r in burst if r.status_code == 429]
+            assert served and refused and len(served) + len(refused) == 8
+            assert sum(r.json()["usage"]["total_tokens"] for r in served) <= 400
+            assert all("tpm" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) >= 1 for r in refused)
+            # rpm: exactly the limit gets in, however the burst interleaves.
+            burst = list(pool.map(lambda _: completion(server, keys["requests"], 1), range(8)))
+            assert sorted(r.status_code for r in burst) == [200] * 5 + [429] * 3
+        # max_concurrent: two held streams, a third is refused, and gets in once one ends.
+        held: list[int] = []
+        release = threading.Event()
+        holders = []
+        for _ in range(2):
+            ready = threading.Event()
+            holders.append(threading.Thread(target=hold, args=(server, keys["concurrent"], held, ready, release)))
+            holders[-1].start()
+            assert ready.wait(120)
+        try:
+            third = completion(server, keys["concurrent"], 1)
+            assert third.status_code == 429 and "max_concurrent" in third.json()["error"]["message"]
+        finally:
+            release.set()
+            for holder in holders:
+                holder.join()
+        assert held == [200, 200]
+        assert completion(server, keys["concurrent"], 1).status_code == 200
+
+
+def test_usage_counts_requests_that_end_early(tmp_path):
+    """A client that leaves mid-stream, and a request stopped at its time limit, are billed
+    what they were served: the prompt and the tokens produced."""
+    db = tmp_path / "keys.sqlite3"
+    keys = {name: create_key(db, name) for name in ("leaver", "slow")}
+    with run_server("--slots", "2", "--ctx-size", "1024", "--request-timeout-s", "2", log_dir=tmp_path,
+                    env={"FASTRUN_KEYS_DB": str(db)}) as server:
+        read = 0
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", f"{server.base_url}/completions", headers=bearer(keys["leaver"]), json={
+                    "model": DEFAULT_MODEL, "prompt": NUMBERS, "max_tokens": 900, "temperature": 0,
+                    "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:") and json.loads(line[5:])["choices"][0]["text"]:
+                        read += 1
+                    if read == 5:
+                        break  # the client goes away
+        timed_out = completion(server, keys["slow"], 900)
+        assert timed_out.status_code == 504
+        assert wait_until(lambda: server.busy_slots() == 0, timeout=60)
+        server.process.terminate()  # usage is flushed at exit
+        assert server.process.wait(timeout=60) == 0
+    prompt = len(NUMBERS.split(",")) * 2  # at least a token per number and per comma
+    leaver, slow = usage_row(db, "leaver"), usage_row(db, "slow")
+    assert leaver["requests"] == 1 and leaver["prompt"] >= prompt // 2 and leaver["completion"] >= 5
+    assert slow["requests"] == 1 and slow["prompt"] >= prompt // 2

@@ -53,6 +53,9 @@ def test_stream_adds_up_to_the_message(claude):
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
         whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    # message_start already says how long the prompt is (agents size their context from it).
+    prompt = claude.messages.count_tokens(model=DEFAULT_MODEL, messages=HELLO).input_tokens
+    assert events[0].message.usage.input_tokens == prompt > 0
 
 
 def test_stop_sequence(claude):

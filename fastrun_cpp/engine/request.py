@@ -45,6 +45,13 @@ class GenerationRequest:
     session: str = ""
     embed_inputs: list[list[int]] | None = None  # kind "embed": the token lists to embed, in order
 
+    @property
+    def input_tokens(self) -> int:
+        """The tokens it takes in: its prompt, or all its inputs to embed."""
+        if self.kind == "embed":
+            return sum(map(len, self.embed_inputs or []))
+        return len(self.prompt_tokens)
+
 
 @dataclass
 class GenerationOutput:

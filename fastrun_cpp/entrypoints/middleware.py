@@ -218,13 +218,17 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            self.gate.admit(key)
+            ticket = self.gate.admit(key)
         except LimitReached as exc:
             await APIError(429, exc.message, "rate_limit_error", retry_after=exc.retry_after_s).response(path)(
                 scope, receive, send)
             return
+        if ticket is None:
+            await self.app(scope, receive, send)
+            return
+        if record is not None:
+            record.ticket = ticket
         try:
             await self.app(scope, receive, send)
         finally:
-            used = record.prompt_tokens + record.completion_tokens if record is not None else 0
-            self.gate.finish(key, used)
+            ticket.finish(record.prompt_tokens + record.completion_tokens if record is not None else 0)

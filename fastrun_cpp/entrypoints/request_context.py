@@ -7,6 +7,7 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from fastrun_cpp.entrypoints.tenancy import Ticket
 from fastrun_cpp.runtime import EngineStream
 
 
@@ -28,6 +29,13 @@ class RequestRecord:
     error_type: str | None = None  # also set for errors sent inside a started stream
     replica: str | None = None  # the engine replica that served it
     streams: list[EngineStream] = field(default_factory=list)
+    ticket: Ticket | None = None  # the account's rate limits, when it has any
+
+    def reserve(self, tokens: int) -> None:
+        """Hold `tokens` of the account's tokens per minute before work is queued (raises
+        tenancy.LimitReached)."""
+        if self.ticket is not None:
+            self.ticket.reserve(tokens)
 
     def track(self, stream: EngineStream) -> None:
         self.streams.append(stream)

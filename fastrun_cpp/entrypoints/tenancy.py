@@ -28,6 +28,7 @@ class _AccountWindow:
         self.starts: deque[float] = deque()  # request start times in the last window
         self.tokens: deque[tuple[float, int]] = deque()  # (finish time, tokens) in the last window
         self.token_sum = 0
+        self.reserved = 0  # tokens the requests in flight may still use (prompt + max_tokens)
         self.in_flight = 0
 
     def expire(self, now: float) -> None:
@@ -37,22 +38,74 @@ class _AccountWindow:
             self.token_sum -= self.tokens.popleft()[1]
 
     @property
+    def committed(self) -> int:
+        """Tokens used in the window plus those reserved by requests in flight."""
+        return self.token_sum + self.reserved
+
+    def tokens_free_in(self, now: float, needed: int, limit: int) -> float:
+        """Seconds until `needed` more tokens fit the limit, as finished ones leave the window."""
+        excess = self.committed + needed - limit
+        for finished, tokens in self.tokens:
+            excess -= tokens
+            if excess <= 0:
+                return finished + WINDOW_S - now
+        return WINDOW_S
+
+    @property
     def idle(self) -> bool:
         return not (self.starts or self.tokens or self.in_flight)
 
 
+class Ticket:
+    """An admitted request's place in its account's limits: `reserve` the tokens it may use
+    before its work is queued, `finish` with the tokens it used."""
+
+    def __init__(self, gate: AccountGate, key: ActiveKey, window: _AccountWindow) -> None:
+        self._gate = gate
+        self._key = key
+        self._window = window
+        self._reserved = 0
+        self._finished = False
+
+    def reserve(self, tokens: int) -> None:
+        """Hold `tokens` of the account's tpm, or raise LimitReached. An account with nothing
+        used or reserved gets any one request in (a request larger than the limit would
+        otherwise never run); after that, what is in flight counts as spent."""
+        limit = self._key.limits.tpm
+        if limit is None or self._finished:
+            return
+        window = self._window
+        now = time.monotonic()
+        window.expire(now)
+        if window.committed and window.committed + tokens > limit:
+            raise LimitReached(f"this account may use {limit} tokens per minute (its tpm limit); this request may "
+                               f"use up to {tokens}, and {window.committed} are used or reserved",
+                               max(1, math.ceil(window.tokens_free_in(now, tokens, limit))))
+        window.reserved += tokens
+        self._reserved += tokens
+
+    def finish(self, used: int) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._window.reserved -= self._reserved
+        self._gate._finish(self._key, self._window, used)
+
+
 class AccountGate:
-    """Checks an account's limits as a request comes in; `finish` when it ends. The windows are
-    the last 60 s, sliding. Event-loop only (no locking)."""
+    """Checks an account's limits as a request comes in (`admit`), holds its tokens as it is
+    queued (`Ticket.reserve`) and counts what it used when it ends (`Ticket.finish`). The windows
+    are the last 60 s, sliding. Event-loop only (no locking)."""
 
     def __init__(self) -> None:
         self._windows: dict[str, _AccountWindow] = {}
 
-    def admit(self, key: ActiveKey) -> None:
-        """Count the request in, or raise LimitReached naming the limit."""
+    def admit(self, key: ActiveKey) -> Ticket | None:
+        """Count the request in (its ticket; None when the account has no limits), or raise
+        LimitReached naming the limit."""
         limits = key.limits
         if limits.rpm is None and limits.tpm is None and limits.max_concurrent is None:
-            return
+            return None
         now = time.monotonic()
         window = self._windows.setdefault(key.account, _AccountWindow())
         window.expire(now)
@@ -63,29 +116,21 @@ class AccountGate:
             wait = window.starts[len(window.starts) - limits.rpm] + WINDOW_S - now
             raise LimitReached(f"this account may send {limits.rpm} requests per minute (its rpm limit)",
                                max(1, math.ceil(wait)))
-        if limits.tpm is not None and window.token_sum >= limits.tpm:
-            wait, excess = WINDOW_S, window.token_sum - limits.tpm
-            for finished, tokens in window.tokens:  # until enough tokens leave the window
-                excess -= tokens
-                if excess < 0:
-                    wait = finished + WINDOW_S - now
-                    break
+        if limits.tpm is not None and window.committed >= limits.tpm:
             raise LimitReached(f"this account may use {limits.tpm} tokens per minute (its tpm limit)",
-                               max(1, math.ceil(wait)))
+                               max(1, math.ceil(window.tokens_free_in(now, 1, limits.tpm))))
         window.starts.append(now)
         window.in_flight += 1
+        return Ticket(self, key, window)
 
-    def finish(self, key: ActiveKey, tokens: int) -> None:
-        window = self._windows.get(key.account)
-        if window is None:
-            return
+    def _finish(self, key: ActiveKey, window: _AccountWindow, tokens: int) -> None:
         now = time.monotonic()
         window.in_flight = max(0, window.in_flight - 1)
         if tokens:
             window.tokens.append((now, tokens))
             window.token_sum += tokens
         window.expire(now)
-        if window.idle:
+        if window.idle and self._windows.get(key.account) is window:
             del self._windows[key.account]
 
 

@@ -32,6 +32,7 @@ from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompleti
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
+from fastrun_cpp.entrypoints.request_context import current_record
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,8 @@ class AnthropicServingMessages:
         result = await self.chat.chat(chat_request(request, stream=request.stream))
         if isinstance(result, ChatCompletion):
             return self._message(request, result)
-        return self._stream(request, result)
+        record = current_record()  # the prompt is counted once queued
+        return self._stream(request, result, record.prompt_tokens if record is not None else 0)
 
     @staticmethod
     def _message(request: MessagesRequest, result: ChatCompletion) -> MessageResponse:
@@ -241,11 +243,13 @@ class AnthropicServingMessages:
             stop_sequence=choice.stop_sequence, usage=usage_of(result.usage),
         )
 
-    async def _stream(self, request: MessagesRequest,
-                      chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[ServerSentEvent]:
+    async def _stream(self, request: MessagesRequest, chunks: AsyncIterator[ChatCompletionChunk],
+                      input_tokens: int) -> AsyncIterator[ServerSentEvent]:
         events = _MessageEvents()
+        # What the cache held is known once the prompt is in a slot: message_delta splits the
+        # input into cache reads and the rest.
         start = MessageResponse(id=message_id(), model=request.model, content=[], stop_reason=None,
-                                usage=Usage(input_tokens=0, output_tokens=0))
+                                usage=Usage(input_tokens=input_tokens, output_tokens=0))
         yield events.event("message_start", message=start.model_dump(mode="json"))
         yield events.event("ping")
         finish_reason = stop_sequence = None

@@ -38,6 +38,7 @@ from fastrun_cpp.entrypoints.openai.protocol import (
 )
 from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.entrypoints.tenancy import LimitReached
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.structured.builder import BuildError, GrammarBuilder
@@ -247,6 +248,10 @@ class OpenAIServing:
             if record.min_priority is not None and request.priority < record.min_priority:
                 raise bad_request(f"priority {request.priority} is more urgent than this key may ask for (at most "
                                   f"{record.min_priority}: `fastrun-cpp keys priority`)")
+            try:
+                record.reserve(self._tokens_at_most(served, request))
+            except LimitReached as exc:
+                raise APIError(429, exc.message, "rate_limit_error", retry_after=exc.retry_after_s) from exc
         try:
             stream = await served.engine.submit(request)
         except GrammarError as exc:
@@ -261,7 +266,20 @@ class OpenAIServing:
         stream.set_deadline(self.stream_timeout_s if streaming else self.request_timeout_s)
         if record is not None:
             record.track(stream)
+            # Billed once queued: a client that leaves while it waits or while its prompt is
+            # evaluated has still had the prompt taken in.
+            record.prompt_tokens += request.input_tokens
         return stream
+
+    @staticmethod
+    def _tokens_at_most(served: ServedModel, request: GenerationRequest) -> int:
+        """What a request may use: its prompt, and each choice's max_tokens (or the room left
+        in the context)."""
+        prompt = request.input_tokens
+        if request.kind == "embed":
+            return prompt
+        room = max(0, served.runtime.info.max_context - prompt)
+        return prompt + request.n * min(request.max_tokens or room, room)
 
     async def outputs(self, served: ServedModel, stream: EngineStream) -> AsyncIterator[GenerationOutput]:
         """The engine's outputs, with metrics and usage recorded, engine failures as API
@@ -269,8 +287,10 @@ class OpenAIServing:
         record = current_record()
         started = record.started if record is not None else time.perf_counter()
         last_token_at: float | None = None
+        produced: dict[int, int] = {}  # completion tokens counted so far, by choice
         try:
             async for output in stream:
+                self._observe_usage(served, record, output, produced)
                 now = time.perf_counter()
                 if output.token_ids:
                     if last_token_at is None:
@@ -281,8 +301,6 @@ class OpenAIServing:
                         for _ in output.token_ids:
                             histogram.observe(gap)
                     last_token_at = now
-                if output.finished:
-                    self._observe_usage(served, record, output)
                 yield output
         except RequestTimedOut as exc:
             raise APIError(
@@ -301,20 +319,27 @@ class OpenAIServing:
         if self.metrics is not None:
             self.metrics.ttft.labels(served.id).observe(ttft)
 
-    def _observe_usage(self, served: ServedModel, record, output: GenerationOutput) -> None:
-        first_choice = output.index == 0
+    def _observe_usage(self, served: ServedModel, record, output: GenerationOutput, produced: dict[int, int]) -> None:
+        """Count usage as it is produced (the prompt was counted at submit): a request that
+        ends early for any reason (the client gone, its time limit, an error) is billed what
+        it was served so far."""
+        index = output.index
+        first_output = index not in produced
+        new_tokens = max(0, output.completion_tokens - produced.get(index, 0))
+        produced[index] = max(produced.get(index, 0), output.completion_tokens)
+        cached = output.cached_tokens if first_output and index == 0 else 0
         if record is not None:
-            if first_choice:
-                record.prompt_tokens += output.prompt_tokens
-                record.cached_tokens += output.cached_tokens
-            record.completion_tokens += output.completion_tokens
-            record.drafted_tokens += output.drafted_tokens
-            record.accepted_tokens += output.accepted_tokens
+            record.cached_tokens += cached
+            record.completion_tokens += new_tokens
+            if output.finished:
+                record.drafted_tokens += output.drafted_tokens
+                record.accepted_tokens += output.accepted_tokens
         if self.metrics is not None:
-            if first_choice:
+            if first_output and index == 0:
                 self.metrics.prompt_tokens.labels(served.id).inc(output.prompt_tokens)
-                self.metrics.cached_tokens.labels(served.id).inc(output.cached_tokens)
-            self.metrics.generation_tokens.labels(served.id).inc(output.completion_tokens)
+                self.metrics.cached_tokens.labels(served.id).inc(cached)
+            if new_tokens:
+                self.metrics.generation_tokens.labels(served.id).inc(new_tokens)
 
 
 def stream_error_event(exc: APIError) -> str:
