@@ -4,7 +4,9 @@ deterministic, the same batched or alone, base64 the same as floats, bounded inp
 from __future__ import annotations
 
 import base64
+import threading
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -80,3 +82,58 @@ def test_tiny_model_only_when_marked(tiny_model_path, tmp_path):
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
         check_embeddings(client, tiny_model_path.stem)
         assert s.health()["models"][tiny_model_path.stem]["state"] == "ready"
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last", "cls"])
+def test_an_input_pools_to_the_same_vector_however_it_is_chunked(pooling):
+    """A generative model's long input goes through in chunks between decode steps; pooling
+    gathers the token states in order, so the chunk size changes nothing, bit for bit."""
+    import llama_cpp.llama_cpp as llama
+
+    from fastrun_cpp.default_model import embedded_model_path
+    from fastrun_cpp.engine.embedding import Embedder
+    from fastrun_cpp.engine.model import LlamaModel
+
+    model = LlamaModel(str(embedded_model_path()))
+    tokens = model.tokenize("The harbour master counted the crates twice. " * 30, add_special=True,
+                            parse_special=False)
+    found = []
+    for chunk in (7, 64, 2048):
+        embedder = Embedder(model, pooling=pooling, max_tokens=2048, chunk_tokens=chunk, threads=2, flash_attn=0,
+                            type_k=llama.GGML_TYPE_F16, type_v=llama.GGML_TYPE_F16)
+        assert embedder.chunked
+        found.append(np.array(embedder.embed(tokens)))
+        embedder.close()
+    assert all(np.array_equal(found[0], vector) for vector in found[1:])
+    assert np.isclose(np.linalg.norm(found[0]), 1.0)
+
+
+def test_a_long_input_takes_turns_with_a_running_stream(tmp_path):
+    """The stream goes on while a 1900-token input is embedded in 64-token pieces (decoded
+    whole, it would hold the scheduler for the whole input)."""
+    with run_server("--slots", "1", "--ctx-size", "2048", "--batch-size", "64", log_dir=tmp_path) as server:
+        long_input = "The harbour master counted the crates twice. " * 180
+        received: list[float] = []
+        embedded: dict[str, object] = {}
+        with httpx.Client(timeout=300) as client:
+            with client.stream("POST", f"{server.base_url}/completions", json={
+                    "model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1500,
+                    "temperature": 0, "stream": True}) as response:
+                lines = response.iter_lines()
+                while not next(lines).startswith("data:"):
+                    pass
+                sender = threading.Thread(target=lambda: embedded.update(answer=httpx.post(
+                    f"{server.base_url}/embeddings", json={"model": DEFAULT_MODEL, "input": long_input},
+                    timeout=300)))
+                sender.start()
+                during = 0
+                for line in lines:
+                    if line.startswith("data:") and sender.is_alive():
+                        during += 1
+                    if not sender.is_alive():
+                        break
+                sender.join()
+        answer = embedded["answer"]
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["prompt_tokens"] > 1500
+        assert during >= 15  # about one stream token per 64-token piece (~30 pieces); whole, about 6

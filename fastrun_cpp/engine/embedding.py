@@ -1,11 +1,13 @@
 """Embeddings: a second llama.cpp context on the same weights, with pooled outputs.
 
 Owned and run by the engine's scheduler thread, so embedding requests share the queue,
-admission and capacity of generation. Each input is its own decode of one sequence, so an
+admission and capacity of generation. Each input is its own sequence, decoded alone, so an
 input's vector never depends on what else is in the request (or in the engine).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import llama_cpp.llama_cpp as llama
 import numpy as np
@@ -34,15 +36,46 @@ def model_pooling(model: LlamaModel, configured: str | None) -> str:
     return "mean"
 
 
+def declares_pooling(model: LlamaModel) -> bool:
+    """Whether the GGUF names a pooling type: an embedding model, whose attention may look both
+    ways, so its pooling needs every token of an input in one pass."""
+    architecture = model.metadata("general.architecture") or ""
+    return model.metadata(f"{architecture}.pooling_type") is not None
+
+
+@dataclass(eq=False)
+class PartialEmbedding:
+    """One input on its way through the embeddings context: the tokens decoded so far, and
+    what pooling has gathered of them."""
+
+    tokens: list[int]
+    decoded: int = 0
+    pooled: np.ndarray | None = None  # mean: the sum so far (float64); cls and last: the vector
+
+    @property
+    def done(self) -> bool:
+        return self.decoded == len(self.tokens)
+
+
 class Embedder:
-    def __init__(self, model: LlamaModel, *, pooling: str, max_tokens: int, threads: int,
+    """A generative model's inputs go through in chunks of `chunk_tokens`, their KV kept
+    between chunks (attention is causal), and are pooled here from each token's hidden state,
+    token by token in order: an input's vector is the same bit for bit however it was chunked,
+    and a long input takes turns with the decode steps of running answers instead of stalling
+    them. An embedding model's own pooling (its GGUF names one) runs in llama.cpp, on a whole
+    input at once."""
+
+    def __init__(self, model: LlamaModel, *, pooling: str, max_tokens: int, chunk_tokens: int, threads: int,
                  flash_attn: int, type_k: int, type_v: int, op_offload: bool = True) -> None:
+        self.chunked = not declares_pooling(model)
+        self.pooling = pooling
         params = llama.llama_context_default_params()
         params.op_offload = op_offload
         params.embeddings = True
-        params.pooling_type = POOLING[pooling]
-        # Pooling reads every token of a sequence in one micro-batch.
-        params.n_ctx = params.n_batch = params.n_ubatch = max_tokens
+        params.pooling_type = llama.LLAMA_POOLING_TYPE_NONE if self.chunked else POOLING[pooling]
+        params.n_ctx = max_tokens
+        # llama.cpp's pooling reads every token of a sequence in one micro-batch.
+        params.n_batch = params.n_ubatch = min(chunk_tokens, max_tokens) if self.chunked else max_tokens
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = threads
         params.flash_attn_type = flash_attn
@@ -53,28 +86,71 @@ class Embedder:
         if not self._ctx:
             raise EngineError("llama.cpp could not create an embeddings context (out of memory?)")
         self._memory = llama.llama_get_memory(self._ctx)
-        self._batch = TokenBatch(max_tokens)
+        self._chunk = params.n_batch
+        self._batch = TokenBatch(params.n_batch)
         self.max_tokens = max_tokens
         self.dimensions = model.n_embd
 
-    def embed(self, tokens: list[int]) -> list[float]:
-        """The unit-length (L2) pooled embedding of one input."""
+    def start(self, tokens: list[int]) -> PartialEmbedding:
+        """Begin an input (the context holds one at a time: the previous one is dropped)."""
         if not tokens or len(tokens) > self.max_tokens:
             raise ValueError(f"an input must have 1 to {self.max_tokens} tokens, not {len(tokens)}")
         llama.llama_memory_clear(self._memory, True)
+        return PartialEmbedding(list(tokens))
+
+    def advance(self, partial: PartialEmbedding, budget: int) -> int:
+        """Decode the input's next tokens, at most `budget` of them (at least one chunk's worth
+        when the budget is smaller; the whole input where pooling needs it whole). Returns how
+        many were decoded."""
+        start = partial.decoded
+        count = len(partial.tokens) - start if not self.chunked else min(len(partial.tokens) - start,
+                                                                         self._chunk, max(1, budget))
+        chunk = partial.tokens[start:start + count]
         self._batch.clear()
-        self._batch.add(0, tokens, 0, logits=True)
+        # Every token is an output: llama.cpp's embeddings context gives each its state anyway.
+        self._batch.add(0, chunk, start, logits=True)
         status = llama.llama_decode(self._ctx, self._batch.as_llama_batch())
         if status != 0:
             raise EngineError(f"llama_decode failed for an embedding ({status})")
-        pointer = llama.llama_get_embeddings_seq(self._ctx, 0)
+        partial.decoded += count
+        if not self.chunked:
+            pointer = llama.llama_get_embeddings_seq(self._ctx, 0)
+            if not pointer:
+                raise EngineError("llama.cpp returned no pooled embedding")
+            partial.pooled = np.ctypeslib.as_array(pointer, shape=(self.dimensions,)).astype(np.float64)
+        elif self.pooling == "mean":
+            states = self._states(count)
+            # A running sum, one token at a time in order (cumsum is sequential): the same
+            # rounding whatever the chunks.
+            running = partial.pooled if partial.pooled is not None else np.zeros(self.dimensions)
+            partial.pooled = np.cumsum(np.vstack([running[None, :], states]), axis=0)[-1]
+        else:  # cls: the first token's state; last: the last token's
+            row = (0 if self.pooling == "cls" else len(partial.tokens) - 1) - start
+            if 0 <= row < count:
+                partial.pooled = self._states(count)[row]
+        return count
+
+    def _states(self, rows: int) -> np.ndarray:
+        pointer = llama.llama_get_embeddings(self._ctx)
         if not pointer:
-            raise EngineError("llama.cpp returned no pooled embedding")
-        vector = np.ctypeslib.as_array(pointer, shape=(self.dimensions,)).astype(np.float64)
+            raise EngineError("llama.cpp returned no hidden states")
+        return np.ctypeslib.as_array(pointer, shape=(rows, self.dimensions)).astype(np.float64)
+
+    def vector(self, partial: PartialEmbedding) -> list[float]:
+        """The unit-length (L2) pooled embedding of a finished input."""
+        assert partial.done and partial.pooled is not None
+        vector = partial.pooled / len(partial.tokens) if self.chunked and self.pooling == "mean" else partial.pooled
         norm = np.linalg.norm(vector)
         if norm > 0:
-            vector /= norm
+            vector = vector / norm
         return vector.tolist()
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """One input's embedding, all at once."""
+        partial = self.start(tokens)
+        while not partial.done:
+            self.advance(partial, len(tokens))
+        return self.vector(partial)
 
     def close(self) -> None:
         if self._ctx:

@@ -27,7 +27,7 @@ from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.constraint import MasksAhead
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
-from fastrun_cpp.engine.embedding import Embedder, model_pooling
+from fastrun_cpp.engine.embedding import Embedder, PartialEmbedding, model_pooling
 from fastrun_cpp.engine.errors import CapacityError, ConstraintError, EngineError, PromptTooLongError
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_scale
@@ -90,6 +90,7 @@ class _Unfinished:
 class _EmbedJob:
     request: GenerationRequest
     vectors: list[list[float]] = dataclasses.field(default_factory=list)
+    current: PartialEmbedding | None = None  # the input in the embeddings context now
 
 
 @dataclass(frozen=True)
@@ -442,9 +443,14 @@ class Engine:
                                  for index in admission.choices + item.pending]
 
     def _embed_step(self) -> list[GenerationOutput]:
-        """Embed the oldest job's next inputs, up to one batch of tokens (at least one input),
-        so a long list of inputs takes turns with the decode steps of running answers."""
-        job = self._embed_jobs[0]
+        """Embed up to one batch of tokens between two decode steps, so embeddings take turns
+        with running answers in pieces no longer than a step's prompt chunk. The input in the
+        embeddings context goes on first; a new one is taken from the job the queue's policy
+        ranks first (fair shares and priorities, as for slots), and its tokens are charged to
+        its account."""
+        job = next((job for job in self._embed_jobs if job.current is not None), None)
+        if job is None:
+            job = min(self._embed_jobs, key=lambda job: self._scheduler.queue.rank(job.request))
         request = job.request
         inputs = request.embed_inputs or []
         budget = self.config.batch_size
@@ -452,23 +458,28 @@ class Engine:
             if self._embedder is None:
                 self._embedder = Embedder(
                     self.model, pooling=model_pooling(self.model, self.config.embedding_pooling),
-                    max_tokens=self.config.ctx_size,
+                    max_tokens=self.config.ctx_size, chunk_tokens=self.config.batch_size,
                     threads=self.config.threads, flash_attn=_FLASH_ATTN[self.config.flash_attn],
                     type_k=_CACHE_TYPES[self.config.cache_type_k], type_v=_CACHE_TYPES[self.config.cache_type_v],
                     op_offload=self.config.op_offload)
-            while len(job.vectors) < len(inputs) and (budget > 0 or not job.vectors):
-                tokens = inputs[len(job.vectors)]
-                job.vectors.append(self._embedder.embed(tokens))
-                budget -= len(tokens)
+            while len(job.vectors) < len(inputs) and budget > 0:
+                if job.current is None:
+                    job.current = self._embedder.start(inputs[len(job.vectors)])
+                used = self._embedder.advance(job.current, budget)
+                budget -= used
+                self._scheduler.queue.charge(request, used)
+                if job.current.done:
+                    job.vectors.append(self._embedder.vector(job.current))
+                    job.current = None
         except Exception as exc:  # this request fails alone
             logger.exception("embedding request %s failed", request.request_id)
-            self._embed_jobs.popleft()
+            self._embed_jobs.remove(job)
             return [GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc))]
         if len(job.vectors) < len(inputs):
             return []
-        self._embed_jobs.popleft()
+        self._embed_jobs.remove(job)
         return [GenerationOutput(request.request_id, finish_reason=FinishReason.STOP,
-                                 prompt_tokens=sum(map(len, inputs)), embeddings=job.vectors)]
+                                 prompt_tokens=request.input_tokens, embeddings=job.vectors)]
 
     def _start(self, admission: Admission) -> None:
         """Start the admitted choices of a request, one slot each: the leader evaluates the

@@ -65,6 +65,10 @@ class RequestQueue(Protocol):
     def victim(self, item: WaitingRequest, running: list[Slot]) -> Slot | None:
         """A running slot to preempt so that `item` starts now, if the policy says it should."""
 
+    def rank(self, request: GenerationRequest) -> tuple[float, ...]:
+        """Where the policy puts a request that needs no slot (an embedding job) among others:
+        the lowest goes first; ties keep their order of arrival."""
+
     def __iter__(self) -> Iterator[WaitingRequest]: ...
 
     def __len__(self) -> int: ...
@@ -103,6 +107,9 @@ class FifoQueue:
 
     def victim(self, item: WaitingRequest, running: list[Slot]) -> Slot | None:
         return None
+
+    def rank(self, request: GenerationRequest) -> tuple[float, ...]:
+        return ()
 
     def __iter__(self) -> Iterator[WaitingRequest]:
         return iter(list(self._items))
@@ -197,6 +204,10 @@ class FairShareQueue:
     def clear(self) -> None:
         self._waiting.clear()
         self._arrived.clear()
+
+    def rank(self, request: GenerationRequest) -> tuple[float, ...]:
+        account = request.account
+        return (request.priority, self._served.get(account, 0.0))
 
     def charge(self, request: GenerationRequest, tokens: int) -> None:
         account = request.account
