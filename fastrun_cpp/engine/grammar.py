@@ -14,9 +14,10 @@ import asyncio
 import ctypes
 import logging
 import threading
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 import llama_cpp.llama_cpp as llama
 import llguidance
@@ -27,6 +28,7 @@ from fastrun_cpp.engine.errors import GrammarError
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.engine.constraint import Constraint, GbnfConstraint, GuidanceConstraint
 from fastrun_cpp.engine.faults import GRAMMAR_HANG_TEXT
+from fastrun_cpp.killable import KillablePool, WorkerDied, WorkerTimeout, serve
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.sampling import Candidates, grammar_clock
@@ -84,16 +86,37 @@ class CompiledGrammar:
             self._prototype = None
 
 
+def _try_compiles(connection: Connection, model_path: str, limits: Limits, hang_on_request: bool) -> None:
+    """A trial process: compiles each grammar it is sent for the model's vocabulary, with the
+    server's own checks, and answers None (it compiles) or why it cannot."""
+    compiler = GrammarCompiler(LlamaModel(Path(model_path), vocab_only=True), limits)
+
+    def handle(spec: GrammarSpec) -> str | None:
+        if hang_on_request and GRAMMAR_HANG_TEXT in spec.gbnf:
+            while True:  # a runaway: it burns a core until it is killed
+                pass
+        try:
+            compiler.compile_now(spec)
+        except GrammarError as exc:
+            return str(exc)
+        return None
+
+    serve(connection, handle)
+
+
 class GrammarCompiler:
     """Compiles grammars for one vocabulary in a bounded pool of its own (never the event loop's
     default one), caches them by text within a byte budget, and refuses grammars that are too
     big, too deeply nested, or whose first step already costs too much (a grammar whose
-    per-token cost explodes would stall every request decoding beside it)."""
+    per-token cost explodes would stall every request decoding beside it).
+
+    `isolated` (the server's): a new grammar is compiled first in a trial process, which is
+    killed if it passes the time limit, and only one that compiled there is compiled here, so a
+    runaway compile never keeps a thread of the server busy."""
 
     def __init__(self, model: LlamaModel, limits: Limits | None = None, *, cache_bytes: int = 64 << 20,
-                 workers: int = 2, hang_on_request: bool = False) -> None:
+                 workers: int = 2, isolated: bool = False, hang_on_request: bool = False) -> None:
         self._model = model
-        self._hang_on_request = hang_on_request  # --debug-faults grammar-hang (tests only)
         self.limits = limits or Limits()
         self._cache: ByteLRU[GrammarSpec, CompiledGrammar] = ByteLRU(cache_bytes)
         self._workers = workers
@@ -102,7 +125,17 @@ class GrammarCompiler:
         # llguidance's view of the vocabulary takes ~1.5 s for 262k tokens: built once, now,
         # while the server starts.
         self._tokenizer = self._pool.submit(self._build_tokenizer)
-        self.stuck = 0  # compilations abandoned past their time limit (their threads are lost)
+        self._trials: KillablePool | None = None
+        if isolated:  # hang_on_request: --debug-faults grammar-hang (tests only)
+            self._trials = KillablePool(_try_compiles, (str(model.path), self.limits, hang_on_request),
+                                        workers=workers, name="grammar compile")
+            self._pool.submit(self._trials.warm)
+        self.stuck = 0  # compilations abandoned past their time limit here (their threads are lost)
+
+    @property
+    def killed(self) -> int:
+        """Trial compilations stopped at their time limit (their processes killed)."""
+        return self._trials.killed if self._trials is not None else 0
 
     def _build_tokenizer(self):
         with warnings.catch_warnings():  # it calls a renamed llama.cpp function once per token
@@ -121,7 +154,12 @@ class GrammarCompiler:
         if grammar is not None:
             return grammar
         check_gbnf(spec.gbnf, self.limits)
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, spec)
+        loop = asyncio.get_running_loop()
+        if self._trials is not None:
+            await loop.run_in_executor(self._pool, self._trial, spec)
+        # What compiled in the trial compiles here in about the same time: the time limit
+        # is now only a watchdog.
+        future = loop.run_in_executor(self._pool, self._compile, spec)
         try:
             grammar = await asyncio.wait_for(asyncio.shield(future), self.limits.grammar_timeout_s)
         except asyncio.TimeoutError:
@@ -134,6 +172,20 @@ class GrammarCompiler:
         self._cache.put(spec, grammar, grammar.nbytes)
         return grammar
 
+    def _trial(self, spec: GrammarSpec) -> None:
+        """Compile `spec` in a trial process first; raises GrammarError if it cannot, or if it
+        passes the time limit there (the process is then killed)."""
+        timeout_s = self.limits.grammar_timeout_s
+        try:
+            verdict = self._trials.run(spec, timeout_s)
+        except WorkerTimeout:
+            raise GrammarError(f"the grammar took over {timeout_s:g} s to compile (limit "
+                               "--limit-grammar-timeout-s)") from None
+        except WorkerDied as exc:
+            raise GrammarError(f"the grammar could not be compiled: {exc}") from None
+        if verdict is not None:
+            raise GrammarError(verdict)
+
     def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         """The same, blocking (for the engine's own thread or tests)."""
         grammar = self._cache.get(spec)
@@ -144,8 +196,6 @@ class GrammarCompiler:
         return grammar
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        if self._hang_on_request and GRAMMAR_HANG_TEXT in spec.gbnf:
-            time.sleep(30)
         matcher = self._guidance_matcher(spec)
         if matcher is not None:
             return CompiledGrammar(spec, matcher=matcher, n_vocab=self._model.n_vocab,
@@ -209,6 +259,8 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._trials is not None:
+            self._trials.close()
 
 
 def check_gbnf(gbnf: str, limits: Limits) -> None:

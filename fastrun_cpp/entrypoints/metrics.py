@@ -66,7 +66,7 @@ class _EngineCollector(Collector):
     def __init__(self, engines: Callable[[], Iterable[tuple[str, object]]],
                  grammar_failures: Callable[[], tuple[dict[str, int], int]]) -> None:
         self._engines = engines
-        self._grammar_failures = grammar_failures  # (compilations stuck per model, conversions killed)
+        self._grammar_failures = grammar_failures  # ({model: (compiles stuck, killed)}, conversions killed)
 
     def collect(self):
         slots = GaugeMetricFamily("fastrun_slots", "Parallel slots of the model's engine.", labels=["model"])
@@ -135,13 +135,16 @@ class _EngineCollector(Collector):
                                      ("dropped", disk.dropped), ("eviction", disk.evictions),
                                      ("skipped", disk.skipped)):
                     disk_events.add_metric([model_id, event], value)
-        stuck_per_model, killed = self._grammar_failures()
+        per_model, killed = self._grammar_failures()
         stuck = CounterMetricFamily("fastrun_grammar_compiles_stuck", "Grammar compilations abandoned at their time "
-                                    "limit (their threads are lost).", labels=["model"])
-        for model_id, count in stuck_per_model.items():
-            stuck.add_metric([model_id], count)
+                                    "limit in a thread of the server (the thread is lost).", labels=["model"])
+        trials_killed = CounterMetricFamily("fastrun_grammar_compiles_killed", "Grammar compilations killed at "
+                                            "their time limit in their trial process.", labels=["model"])
+        for model_id, (stuck_count, killed_count) in per_model.items():
+            stuck.add_metric([model_id], stuck_count)
+            trials_killed.add_metric([model_id], killed_count)
         conversions = CounterMetricFamily("fastrun_schema_conversions_killed",
                                           "Schema-to-grammar conversions killed at their time limit.")
         conversions.add_metric([], killed)
         yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, decoded, preempted,
-                    step_time, drafted, grammar, stuck, conversions)
+                    step_time, drafted, grammar, stuck, trials_killed, conversions)

@@ -296,7 +296,7 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
         logger.warning("%s: with --no-swa-full, sliding-window KV is a ring buffer whose cell order depends on "
                        "each slot's history: cache hits are not bit-exact (use --swa-full for that)", config.id)
     chat_template, tool_parser, reasoning_parser = chat_setup(config, model)
-    grammars = GrammarCompiler(model, limits, hang_on_request=Faults.parse(faults_spec).grammar_hang)
+    grammars = GrammarCompiler(model, limits, isolated=True, hang_on_request=Faults.parse(faults_spec).grammar_hang)
     disk = await asyncio.to_thread(disk_cache_for, config, settings, model, path, prompt_cache_dir)
     draft = None
     if settings.speculation.kind == "draft":

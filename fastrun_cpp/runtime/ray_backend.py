@@ -555,7 +555,7 @@ async def load_ray_runtime(config: ModelConfig, *, threads: int, faults_spec: st
                 config.slots, per_replica_threads, gpus)
     return ModelRuntime(config=config, info=info, tokenizer=vocabulary, engine=client, chat_template=chat_template,
                         tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                        grammars=GrammarCompiler(vocabulary, limits), weights=[vocabulary])
+                        grammars=GrammarCompiler(vocabulary, limits, isolated=True), weights=[vocabulary])
 
 
 def shutdown() -> None:

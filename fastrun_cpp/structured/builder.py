@@ -12,14 +12,12 @@ import asyncio
 import dataclasses
 import json
 import logging
-import multiprocessing
-import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from fastrun_cpp.killable import KillablePool, WorkerDied, WorkerTimeout, serve
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.structured.guard import PatternError, SchemaBoundsError, check_schema_bounds
@@ -29,10 +27,6 @@ logger = logging.getLogger(__name__)
 
 # A schema with this title makes the worker hang, with --debug-faults schema-hang (tests only).
 HANG_TITLE = "fastrun-debug-hang"
-
-
-class ConversionTimeout(Exception):
-    pass
 
 
 class BuildError(ValueError):
@@ -57,57 +51,33 @@ def _serve(connection: Connection, hang_on_request: bool) -> None:
     """A worker process: converts what it is sent until the pipe closes."""
     from fastrun_cpp.structured.json_schema import SchemaError
 
-    connection.send(("ready", None))
-    while True:
-        try:
-            kind, payload = connection.recv()
-        except EOFError:
-            return
+    def handle(message: tuple[str, dict[str, Any]]) -> tuple[str, str]:
+        kind, payload = message
         if hang_on_request and HANG_TITLE in json.dumps(payload):
             time.sleep(3600)
         try:
-            connection.send(("ok", _convert(kind, payload)))
+            return "ok", _convert(kind, payload)
         except SchemaError as exc:
-            connection.send(("schema_error", str(exc)))
+            return "schema_error", str(exc)
         except Exception as exc:  # noqa: BLE001 - whatever the converter does, the client learns why
-            connection.send(("schema_error", f"the schema cannot be turned into a grammar: {type(exc).__name__}: {exc}"))
+            return "schema_error", f"the schema cannot be turned into a grammar: {type(exc).__name__}: {exc}"
+
+    serve(connection, handle)
 
 
 # ---------------------------------------------------------------- the server side
 
-class _Worker:
-    def __init__(self, context, hang_on_request: bool) -> None:
-        self.connection, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, hang_on_request), daemon=True,
-                                       name="fastrun-grammar-builder")
-        self.process.start()
-        child.close()
-        if not self.connection.poll(60) or self.connection.recv()[0] != "ready":
-            self.kill()
-            raise RuntimeError("a grammar worker process did not start")
-
-    def call(self, message: tuple[str, dict[str, Any]], timeout_s: float) -> tuple[str, str]:
-        self.connection.send(message)
-        if not self.connection.poll(timeout_s):
-            raise ConversionTimeout()
-        return self.connection.recv()
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(5)
-        self.connection.close()
-
-
 class GrammarBuilder:
     def __init__(self, limits: Limits, *, workers: int = 2, hang_on_request: bool = False) -> None:
         self.limits = limits
-        self._context = multiprocessing.get_context("spawn")
-        self._hang_on_request = hang_on_request
-        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
-        self._slots = threading.BoundedSemaphore(workers)
+        self._workers = KillablePool(_serve, (hang_on_request,), workers=workers, name="schema conversion")
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="fastrun-schema")
         self._cache: ByteLRU[str, str] = ByteLRU(32 << 20)
-        self.killed = 0  # conversions stopped at their time limit
+
+    @property
+    def killed(self) -> int:
+        """Conversions stopped at their time limit."""
+        return self._workers.killed
 
     async def schema_grammar(self, schema: Any, *, strict: bool = True) -> str:
         """GBNF for a response_format schema; raises BuildError."""
@@ -158,31 +128,15 @@ class GrammarBuilder:
         return result
 
     def _run(self, message: tuple[str, dict[str, Any]]) -> tuple[str, str]:
-        """In a thread of this builder's pool: one worker's turn (started if none is idle)."""
-        with self._slots:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                worker = _Worker(self._context, self._hang_on_request)
-            try:
-                result = worker.call(message, self.limits.schema_timeout_s)
-            except ConversionTimeout:
-                worker.kill()
-                self.killed += 1
-                logger.warning("a schema conversion passed its %g s limit; its worker process was killed",
-                               self.limits.schema_timeout_s)
-                return "timeout", (f"turning the schema into a grammar took over {self.limits.schema_timeout_s:g} s "
-                                   "(limit --limit-schema-timeout-s)")
-            except (EOFError, OSError) as exc:  # the worker died (killed from outside, out of memory)
-                worker.kill()
-                return "error", f"the grammar worker failed: {exc}"
-            self._idle.put(worker)
-            return result
+        """In a thread of this builder's pool: one worker's turn."""
+        try:
+            return self._workers.run(message, self.limits.schema_timeout_s)
+        except WorkerTimeout:
+            return "timeout", (f"turning the schema into a grammar took over {self.limits.schema_timeout_s:g} s "
+                               "(limit --limit-schema-timeout-s)")
+        except WorkerDied as exc:
+            return "error", str(exc)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
-        while True:
-            try:
-                self._idle.get_nowait().kill()
-            except queue.Empty:
-                return
+        self._workers.close()

@@ -94,7 +94,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     models = OpenAIServingModels([ServedModel(id=config.id, config=config) for config in registry.models])
     grammar_builder = GrammarBuilder(settings.limits, hang_on_request=Faults.parse(settings.debug_faults).schema_hang)
     usage = UsageRecorder(authenticator.store)
-    metrics = ServerMetrics(models.engines, grammar_failures=lambda: (models.grammar_compiles_stuck(),
+    metrics = ServerMetrics(models.engines, grammar_failures=lambda: (models.grammar_compile_failures(),
                                                                       grammar_builder.killed)) \
         if settings.metrics else None
     serving_options = dict(

@@ -75,9 +75,11 @@ class OpenAIServingModels:
     def engines(self) -> list[tuple[str, EngineClient]]:
         return [(m.id, m.engine) for m in self._models.values() if m.engine is not None]
 
-    def grammar_compiles_stuck(self) -> dict[str, int]:
-        """Grammar compilations past their time limit, per model (their threads are lost)."""
-        return {m.id: m.runtime.grammars.stuck for m in self._models.values() if m.runtime is not None}
+    def grammar_compile_failures(self) -> dict[str, tuple[int, int]]:
+        """Per model, grammar compilations past their time limit: (stuck in a thread of the
+        server, killed in their trial process)."""
+        return {m.id: (m.runtime.grammars.stuck, m.runtime.grammars.killed)
+                for m in self._models.values() if m.runtime is not None}
 
     def status(self) -> dict[str, dict[str, object]]:
         status: dict[str, dict[str, object]] = {}
@@ -100,6 +102,7 @@ class OpenAIServingModels:
                     entry["disk_cache"] = vars(disk).copy()
                 entry["replicas"] = model.engine.replica_status()
                 entry["grammar_compiles_stuck"] = model.runtime.grammars.stuck
+                entry["grammar_compiles_killed"] = model.runtime.grammars.killed
             status[model.id] = entry
         return status
 
