@@ -135,7 +135,12 @@ class Settings(BaseSettings):
     responses_db: Path | None = Field(
         None, description="SQLite database of stored Responses API responses; unset: beside --keys-db."
     )
-    responses_max: int = Field(10000, ge=0, description="Stored responses kept (the oldest go first); 0: none.")
+    responses_max: int = Field(10000, ge=0, description="Stored responses kept over all accounts (the oldest go "
+                               "first); 0: none.")
+    responses_max_gib: float = Field(4, gt=0, description="Bytes of stored responses over all accounts, GiB.")
+    responses_per_account: int = Field(1000, ge=0, description="Stored responses kept per account (its oldest go "
+                                       "first).")
+    responses_per_account_mib: float = Field(256, gt=0, description="Bytes of stored responses per account, MiB.")
     responses_retention_s: float = Field(
         30 * 86400, gt=0, description="How long a stored response is kept (and can be continued), seconds."
     )

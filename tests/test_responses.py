@@ -200,6 +200,31 @@ def test_stored_responses_belong_to_their_account(tmp_path):
         assert httpx.get(f"{s.base_url}/responses/{response.id}").status_code == 401
 
 
+def test_an_account_stores_within_its_own_budget(tmp_path):
+    """Past an account's count, its own oldest responses go, never another account's; a
+    conversation over the account's bytes is answered but not stored."""
+    db = tmp_path / "keys.sqlite3"
+    alice, bob = create_key(db, "alice"), create_key(db, "bob")
+    with run_server("--slots", "1", "--ctx-size", "2048", "--responses-per-account", "2",
+                    "--responses-per-account-mib", "0.005", log_dir=tmp_path, env={"FASTRUN_KEYS_DB": str(db)}) as s:
+        as_alice = openai.OpenAI(base_url=s.base_url, api_key=alice, max_retries=0)
+        as_bob = openai.OpenAI(base_url=s.base_url, api_key=bob, max_retries=0)
+        bobs = as_bob.responses.create(model=DEFAULT_MODEL, input="Hi", max_output_tokens=2)
+        alices = [as_alice.responses.create(model=DEFAULT_MODEL, input=f"Hi {i}", max_output_tokens=2)
+                  for i in range(4)]
+        with pytest.raises(openai.NotFoundError):
+            as_alice.responses.retrieve(alices[0].id)
+        with pytest.raises(openai.NotFoundError):
+            as_alice.responses.retrieve(alices[1].id)
+        assert [as_alice.responses.retrieve(r.id).id for r in alices[2:]] == [r.id for r in alices[2:]]
+        assert as_bob.responses.retrieve(bobs.id).id == bobs.id  # untouched by alice's
+        # Over the account's bytes: answered, not stored, and it evicts nothing.
+        large = as_alice.responses.create(model=DEFAULT_MODEL, input="word " * 1500, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            as_alice.responses.retrieve(large.id)
+        assert as_alice.responses.retrieve(alices[3].id).id == alices[3].id
+
+
 # ---------------------------------------------------------------- what Codex CLI sends
 
 

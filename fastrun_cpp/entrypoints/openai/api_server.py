@@ -39,7 +39,7 @@ from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, S
 from fastrun_cpp.entrypoints.openai.responses.router import router as responses_router
 from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal, load_secret
-from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore
+from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoreBudget
 from fastrun_cpp.entrypoints.openai.body import BodyChecker
 from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.runtime import load_local_runtime
@@ -84,8 +84,10 @@ def authenticator_for(settings: Settings) -> Authenticator:
 
 def response_store(settings: Settings) -> ResponseStore:
     path = settings.responses_db or settings.keys_db.with_name(settings.keys_db.stem + ".responses.sqlite3")
-    return ResponseStore(path, max_items=settings.responses_max, retention_s=settings.responses_retention_s,
-                         max_bytes=int(settings.responses_max_mib * 2**20))
+    return ResponseStore(path, StoreBudget(
+        items=settings.responses_max, bytes=int(settings.responses_max_gib * 2**30),
+        account_items=settings.responses_per_account, account_bytes=int(settings.responses_per_account_mib * 2**20),
+        row_bytes=int(settings.responses_max_mib * 2**20), retention_s=settings.responses_retention_s))
 
 
 def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:

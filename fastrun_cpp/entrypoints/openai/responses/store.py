@@ -2,7 +2,8 @@
 /v1/responses/{id} read, and what `previous_response_id` continues.
 
 Each row belongs to an account: another account's id is simply not found. Rows older than the
-retention are dropped, and past `max_items` the oldest go first; a row is bounded in bytes.
+retention are dropped; past an account's budget (rows and bytes) its oldest go first, and past
+the server's ceiling the oldest of all, so one account cannot evict everyone's or fill the disk.
 All calls block: the serving code runs them on the store's own thread.
 """
 
@@ -25,10 +26,22 @@ CREATE TABLE IF NOT EXISTS responses (
     account TEXT NOT NULL,
     created_at INTEGER NOT NULL,
     response TEXT NOT NULL,
-    conversation TEXT NOT NULL
+    conversation TEXT NOT NULL,
+    size INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS responses_by_age ON responses(created_at);
 """
+# Stores made before rows had a size, and the index over the account's rows.
+_MIGRATION = """
+CREATE INDEX IF NOT EXISTS responses_by_account ON responses(account, created_at);
+UPDATE responses SET size = length(response) + length(conversation) WHERE size = 0;
+"""
+# The rows past a count or a byte budget, newest kept first: over one account or over all.
+_NEWEST_FIRST = "ORDER BY created_at DESC, rowid DESC"
+_PAST_COUNT = "DELETE FROM responses WHERE id IN (SELECT id FROM responses {where} " + _NEWEST_FIRST + \
+    " LIMIT -1 OFFSET ?)"
+_PAST_BYTES = "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, SUM(size) OVER (" + _NEWEST_FIRST + \
+    ") AS running FROM responses {where}) WHERE running > ?)"
 OPEN_ACCOUNT = ""  # the namespace of a server without keys
 
 
@@ -42,14 +55,29 @@ class StoredResponse:
     conversation: list[dict[str, Any]]  # input items of every turn so far, its own output included
 
 
+@dataclass(frozen=True)
+class StoreBudget:
+    """What the store keeps: per account and over all accounts, in rows and bytes; a row's own
+    cap; and for how long."""
+
+    items: int
+    bytes: int
+    account_items: int
+    account_bytes: int
+    row_bytes: int
+    retention_s: float
+
+
 class ResponseStore:
-    def __init__(self, path: Path, *, max_items: int, retention_s: float, max_bytes: int) -> None:
+    def __init__(self, path: Path, budget: StoreBudget) -> None:
         self.path = Path(path).expanduser()
-        self.max_items = max_items
-        self.retention_s = retention_s
-        self.max_bytes = max_bytes
+        self.budget = budget
         self._lock = threading.Lock()
         self._ready = False
+
+    @property
+    def retention_s(self) -> float:
+        return self.budget.retention_s
 
     def _connect(self) -> sqlite3.Connection:
         if not self._ready:
@@ -57,21 +85,35 @@ class ResponseStore:
         connection = sqlite3.connect(self.path, timeout=10)
         if not self._ready:
             connection.executescript(_SCHEMA)
+            if "size" not in {row[1] for row in connection.execute("PRAGMA table_info(responses)")}:
+                connection.execute("ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
+            connection.executescript(_MIGRATION)
+            connection.commit()
             self._ready = True
         return connection
 
     def put(self, account: str | None, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Store a response; the oldest rows of its account past the account's budget go, then
+        the oldest of all past the server's."""
+        budget = self.budget
         response_text = json.dumps(response, separators=(",", ":"))
         conversation_text = json.dumps(conversation, separators=(",", ":"))
-        if len(response_text) + len(conversation_text) > self.max_bytes:
-            raise StoredTooLarge(f"the conversation is over the {self.max_bytes // 2**20} MiB a stored response may hold")
+        size = len(response_text.encode()) + len(conversation_text.encode())
+        if size > min(budget.row_bytes, budget.account_bytes, budget.bytes):
+            raise StoredTooLarge(f"the conversation is {size} bytes, over the "
+                                 f"{min(budget.row_bytes, budget.account_bytes, budget.bytes)} a stored response may "
+                                 "hold")
         now = int(time.time())
+        owner = account or OPEN_ACCOUNT
         with self._lock, closing(self._connect()) as db, db:
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
-                       (response["id"], account or OPEN_ACCOUNT, now, response_text, conversation_text))
-            db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.retention_s,))
-            db.execute("DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC, "
-                       "rowid DESC LIMIT -1 OFFSET ?)", (self.max_items,))
+            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                       (response["id"], owner, now, response_text, conversation_text, size))
+            db.execute("DELETE FROM responses WHERE created_at < ?", (now - budget.retention_s,))
+            mine = "WHERE account = ?"
+            db.execute(_PAST_COUNT.format(where=mine), (owner, budget.account_items))
+            db.execute(_PAST_BYTES.format(where=mine), (owner, budget.account_bytes))
+            db.execute(_PAST_COUNT.format(where=""), (budget.items,))
+            db.execute(_PAST_BYTES.format(where=""), (budget.bytes,))
 
     def get(self, account: str | None, response_id: str) -> StoredResponse | None:
         with self._lock, closing(self._connect()) as db:
