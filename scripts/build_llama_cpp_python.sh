@@ -20,3 +20,13 @@ done
 # --no-cache-dir keeps pip from reusing a wheel built with other flags or patches;
 # --force-reinstall rebuilds over a copy already installed.
 "$python" -m pip install --no-cache-dir --force-reinstall --no-deps "$source"
+# What this build is, beside the library: prompt-cache states on disk are only reused by a
+# build of the same sources, patches and options (fastrun_cpp.runtime.model_runtime).
+patches_sha=$(cat "$root"/patches/llama.cpp/*.patch | sha256sum | cut -d' ' -f1)
+"$python" -c '
+import json, pathlib, sys
+import llama_cpp
+version, patches, cmake_args = sys.argv[1:4]
+stamp = pathlib.Path(llama_cpp.__file__).with_name("fastrun_build.json")
+stamp.write_text(json.dumps({"version": version, "patches_sha256": patches, "cmake_args": cmake_args}) + "\n")
+' "$version" "$patches_sha" "${CMAKE_ARGS:-}"

@@ -527,3 +527,34 @@ def test_the_host_tier_finds_the_longest_prefix_among_thousands_by_namespace():
     # An entry that extends others replaces them; only its own namespace's.
     cache.insert(CachedSequence([*system, 1234, *range(1234, 1254), 5], state, namespace="ns0"))
     assert len(cache) == 3000
+
+
+class RefusingMemory(FakeMemory):
+    """llama.cpp refusing to restore states of some lengths (saved with another context shape,
+    or by another build)."""
+
+    def __init__(self, refused_lengths: set[int]) -> None:
+        super().__init__()
+        self.refused_lengths = refused_lengths
+
+    def set_state(self, seq_id: int, state: np.ndarray, nbytes: int) -> bool:
+        if len(state.view(np.int64)) in self.refused_lengths:
+            self.sequences[seq_id] = [-1]  # half written, as a failed restore may leave it
+            return False
+        return super().set_state(seq_id, state, nbytes)
+
+
+def test_a_failed_restore_falls_back_to_the_prefix_the_slot_held():
+    system = list(range(1000, 1000 + MIN_SAVED_TOKENS * 4))
+    longer = system + list(range(5000, 5000 + MIN_SAVED_TOKENS))
+    memory = RefusingMemory({len(longer)})
+    kv, memory, slots = manager(1, memory=memory)
+    kv.prompt_cache.insert(CachedSequence(list(longer), np.array(longer, dtype=np.int64).view(np.uint8)))
+    fill(kv, memory, slots[0], system + [7, 7])  # the slot holds the system prompt, the host a longer prefix
+    prompt = longer + [9, 9]
+    source, reused = prepare(kv, slots[0], prompt, "")
+    # The longer prefix could not be restored: it is dropped, and the slot's own copy (saved
+    # before the attempt) serves the system prompt.
+    assert (source, reused) == ("host", len(system))
+    assert slots[0].cache_tokens == system and holds_exactly_its_tokens(memory, slots)
+    assert kv.prompt_cache.longest_prefix(prompt, "")[1] == len(system)  # the bad entry is gone

@@ -174,3 +174,16 @@ def test_a_hugging_face_blob_is_named_by_its_hash(tmp_path):
     link = tmp_path / "model.gguf"
     link.symlink_to(blob)
     assert file_identity(link, None)["sha256"] == blob.name
+
+
+def test_states_on_disk_name_the_build_that_computed_them():
+    """The library was built by scripts/build_llama_cpp_python.sh with this checkout's patches,
+    and says so: the disk tier's namespace includes it, so a build with other patches or
+    options never reads states computed by other arithmetic."""
+    from fastrun_cpp.runtime.model_runtime import llama_cpp_build
+
+    build = llama_cpp_build()
+    assert build is not None, "llama-cpp-python was not built by scripts/build_llama_cpp_python.sh"
+    patches = sorted((Path(__file__).parents[1] / "patches" / "llama.cpp").glob("*.patch"))
+    assert build["patches_sha256"] == hashlib.sha256(b"".join(p.read_bytes() for p in patches)).hexdigest()
+    assert "-DGGML_LLAMAFILE=OFF" in build["cmake_args"]

@@ -170,14 +170,23 @@ class KVCacheManager:
         if there is one; otherwise keep the slot's own. What the slot is about to lose is saved
         first. Returns where the prefix comes from and its length."""
         entry, in_host = self._host_prefix(prompt, namespace)
-        if entry is not None and in_host > in_slot:
-            # Saving the slot may evict entries; this one is in use (and held here anyway).
-            self.prompt_cache.touch(entry)
-            self.save(slot)
+        if entry is None or in_host <= in_slot:
+            self._save_if_unrelated(slot, in_slot)
+            return "slot", in_slot
+        # Saving the slot may evict entries; this one is in use (and held here anyway).
+        self.prompt_cache.touch(entry)
+        self.save(slot)
+        while entry is not None:
             source, entry.source = entry.source, "host"  # from now on it is served from RAM
-            return (source, in_host) if self._restore(slot, entry) else ("slot", 0)
-        self._save_if_unrelated(slot, in_slot)
-        return "slot", in_slot
+            if self._restore(slot, entry):
+                return source, in_host
+            # An entry this context cannot take is dropped, and the next longest prefix is
+            # tried: the slot's own, saved just above, among them.
+            logger.warning("a cached prefix of %d tokens could not be restored into slot %d; dropped",
+                           len(entry.tokens), slot.seq_id)
+            self.prompt_cache.discard(entry)
+            entry, in_host = self._host_prefix(prompt, namespace)
+        return "slot", 0
 
     def _keep_prefix(self, slot: Slot, reused: int) -> int:
         """Drop the slot's KV past its first `reused` tokens (a prefix of the prompt); return

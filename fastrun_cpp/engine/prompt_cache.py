@@ -82,6 +82,11 @@ class PromptCache:
             self.nbytes += entry.nbytes
         return evicted
 
+    def discard(self, entry: CachedSequence) -> None:
+        """Drop an entry (one that could not be restored)."""
+        if self._entries.get(entry.key) is entry:
+            self._remove(entry)
+
     def _remove(self, entry: CachedSequence) -> None:
         del self._entries[entry.key]
         self._index.remove(entry.key)

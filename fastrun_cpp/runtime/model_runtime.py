@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -257,6 +258,16 @@ def prepare_process(config: ModelConfig) -> None:
         os.environ.update(DETERMINISTIC_SWITCHES)
 
 
+def llama_cpp_build() -> dict[str, object] | None:
+    """How the installed llama-cpp-python was built (scripts/build_llama_cpp_python.sh writes it
+    beside the package: the patches' digest and the CMake options); None for a build of
+    someone else's, which then shares no state with ours."""
+    try:
+        return json.loads(Path(llama_cpp.__file__).with_name("fastrun_build.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaModel, path: Path,
                    directory: Path | None) -> DiskPromptCache | None:
     """The disk tier of the model's prompt cache, in a namespace of everything a saved state
@@ -270,7 +281,7 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
         **scaled,
         type_k=settings.cache_type_k, type_v=settings.cache_type_v, flash_attn=settings.flash_attn,
         deterministic=is_deterministic(config), repacked=repacks_weights(config), llama_cpp=llama_cpp.__version__,
-        build=system_info(),
+        build=system_info(), sources=llama_cpp_build(),
     )
     return DiskPromptCache(directory, namespace, int(config.prompt_cache_disk_gib * 2**30))
 
