@@ -32,8 +32,10 @@ class RunningServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def health(self) -> dict:
-        return httpx.get(f"{self.root_url}/health", timeout=5).json()
+    def health(self, key: str | None = None) -> dict:
+        """/health; with keys on, its counters need an admin `key`."""
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        return httpx.get(f"{self.root_url}/health", headers=headers, timeout=5).json()
 
     def busy_slots(self, model: str = DEFAULT_MODEL) -> int:
         return self.health()["models"][model]["busy_slots"]

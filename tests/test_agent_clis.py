@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.server import DEFAULT_MODEL, RunningServer, run_server
-from tests.test_keys import create_key
+from tests.test_keys import create_key, keys_cli
 
 AGENTS = Path(sys.prefix) / "agents" / "node_modules" / ".bin"
 CLAUDE, CODEX = AGENTS / "claude", AGENTS / "codex"
@@ -176,6 +176,7 @@ def keyed(tmp_path_factory):
     home = tmp_path_factory.mktemp("agents")
     env = {"FASTRUN_KEYS_DB": str(home / "keys.sqlite3"), "FASTRUN_PROMPT_CACHE_DIR": str(home / "prompt-cache")}
     key = create_key(home / "keys.sqlite3", "agents")
+    assert keys_cli(home / "keys.sqlite3", "admin", "agents").returncode == 0  # /health's counters
     return home, env, key
 
 
@@ -198,10 +199,10 @@ def test_both_agents_are_served_and_their_next_turns_are_cache_hits(keyed):
                                   json={"model": DEFAULT_MODEL, "max_tokens": 1,
                                         "messages": [{"role": "user", "content": filler}]}, timeout=120)
             assert response.status_code == 200, response.text
-        host_hits = server.health()["models"][DEFAULT_MODEL]["stats"]["host_hits"]
+        host_hits = server.health(key)["models"][DEFAULT_MODEL]["stats"]["host_hits"]
         _, codex_second = codex.turn("Now reply with one word: goodbye.", resume=True)
         assert_reuses(codex_first, codex_second)
-        assert server.health()["models"][DEFAULT_MODEL]["stats"]["host_hits"] > host_hits
+        assert server.health(key)["models"][DEFAULT_MODEL]["stats"]["host_hits"] > host_hits
 
     # A restart on the same disk cache: both agents' next turns start from what was saved.
     with run_server(*server_args(home), log_dir=home, env=env) as server:

@@ -82,7 +82,7 @@ def test_the_disk_tier_keeps_tenants_apart_across_a_restart(tenants, tmp_path):
         assert hit(ask(again, keys["carol"], secret))  # from the disk tier: the slots started empty
 
 
-def test_metrics_need_an_admin_key_and_the_docs_a_key(tmp_path):
+def test_metrics_and_health_counters_need_an_admin_key_and_the_docs_a_key(tmp_path):
     db = tmp_path / "keys.sqlite3"
     alice, carol = create_key(db, "alice"), create_key(db, "carol")
     assert keys_cli(db, "admin", "carol").returncode == 0
@@ -102,4 +102,13 @@ def test_metrics_need_an_admin_key_and_the_docs_a_key(tmp_path):
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert httpx.get(f"{server.root_url}{path}").status_code == 401, path
             assert httpx.get(f"{server.root_url}{path}", headers=bearer(alice)).status_code == 200, path
-        assert httpx.get(f"{server.root_url}/health").status_code == 200  # probes need no key
+        # Probes need no key, and see each model's state and load; its counters (what every
+        # account was served) need an admin key.
+        public = httpx.get(f"{server.root_url}/health")
+        assert public.status_code == 200
+        assert set(public.json()) == {"status", "models"}
+        assert set(public.json()["models"][DEFAULT_MODEL]) == {"state", "slots", "busy_slots", "waiting"}
+        for key in (alice, "fr_" + "0" * 40):
+            assert "stats" not in httpx.get(f"{server.root_url}/health", headers=bearer(key)).json()["models"][
+                DEFAULT_MODEL]
+        assert "stats" in server.health(carol)["models"][DEFAULT_MODEL]

@@ -142,6 +142,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.settings = settings
     app.state.serving_models = models
     app.state.grammar_builder = grammar_builder
+    app.state.authenticator = authenticator
     app.state.serving_chat = chat = OpenAIServingChat(models, **serving_options)
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)

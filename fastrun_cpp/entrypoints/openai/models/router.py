@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from fastrun_cpp.entrypoints.auth import AuthError
 from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels
 from fastrun_cpp.entrypoints.openai.protocol import ErrorResponse, ModelList
 from fastrun_cpp.entrypoints.openai.utils import error_responses
@@ -26,9 +27,24 @@ async def list_models(models: Annotated[OpenAIServingModels, Depends(serving_mod
 
 @health_router.get("/health")
 async def health(request: Request, models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> dict:
-    """Alive (even while models load), with each model's state and slot load."""
+    """Alive (even while models load), with each model's state and slot load. The counters
+    (cache hits, tokens, replicas, grammar failures) tell what every account did: with keys on,
+    only an admin key sees them."""
+    if not _sees_counters(request):
+        return {"status": "ok", "models": models.status(counters=False)}
     return {"status": "ok", "models": models.status(),
             "schema_conversions_killed": request.app.state.grammar_builder.killed}
+
+
+def _sees_counters(request: Request) -> bool:
+    authorization = request.headers.get("authorization")
+    if authorization is None and "x-api-key" in request.headers:
+        authorization = f"Bearer {request.headers['x-api-key']}"
+    try:
+        key = request.app.state.authenticator.authenticate(authorization, host=request.headers.get("host"))
+    except AuthError:
+        return False
+    return key is None or key.admin  # None: open mode, or keys off
 
 
 @health_router.api_route("/api/hello", methods=["GET", "HEAD"])

@@ -81,7 +81,9 @@ class OpenAIServingModels:
         return {m.id: (m.runtime.grammars.stuck, m.runtime.grammars.killed)
                 for m in self._models.values() if m.runtime is not None}
 
-    def status(self) -> dict[str, dict[str, object]]:
+    def status(self, *, counters: bool = True) -> dict[str, dict[str, object]]:
+        """Each model's state and load (what a probe or a balancer needs), and with `counters`
+        what it has served."""
         status: dict[str, dict[str, object]] = {}
         for model in self._models.values():
             entry: dict[str, object] = {"state": model.state.value}
@@ -89,21 +91,23 @@ class OpenAIServingModels:
                 entry["error"] = model.error
             if model.engine is not None:
                 busy, waiting = model.engine.load()
-                entry.update(slots=model.engine.slots, busy_slots=busy, waiting=waiting,
-                             stats=asdict(model.engine.stats))
-                stats = model.engine.stats
-                entry["speculation"] = {
-                    "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
-                    "acceptance_rate": round(stats.accepted_tokens / stats.drafted_tokens, 4)
-                    if stats.drafted_tokens else None,
-                }
-                disk = model.engine.disk_stats
-                if disk is not None:
-                    entry["disk_cache"] = vars(disk).copy()
-                entry["replicas"] = model.engine.replica_status()
-                entry["grammar_compiles_stuck"] = model.runtime.grammars.stuck
-                entry["grammar_compiles_killed"] = model.runtime.grammars.killed
+                entry.update(slots=model.engine.slots, busy_slots=busy, waiting=waiting)
             status[model.id] = entry
+            if model.engine is None or not counters:
+                continue
+            stats = model.engine.stats
+            entry["stats"] = asdict(stats)
+            entry["speculation"] = {
+                "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+                "acceptance_rate": round(stats.accepted_tokens / stats.drafted_tokens, 4)
+                if stats.drafted_tokens else None,
+            }
+            disk = model.engine.disk_stats
+            if disk is not None:
+                entry["disk_cache"] = vars(disk).copy()
+            entry["replicas"] = model.engine.replica_status()
+            entry["grammar_compiles_stuck"] = model.runtime.grammars.stuck
+            entry["grammar_compiles_killed"] = model.runtime.grammars.killed
         return status
 
     def list_models(self) -> ModelList:
