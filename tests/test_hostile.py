@@ -18,6 +18,7 @@ import pytest
 from tests.server import DEFAULT_MODEL, run_server
 
 FAST_S = 20  # every hostile request is answered within this (most in milliseconds)
+LOOP_STALL_S = 0.5  # the longest /health may wait for the event loop while others' work is in flight
 USER = [{"role": "user", "content": "Say hi."}]
 
 
@@ -549,3 +550,47 @@ def test_control_token_text_in_template_kwargs_and_keys_stays_text(tmp_path):
 
         # As plain text the control token is several tokens; as markup it would be one.
         assert prompt_tokens(forged) - prompt_tokens("x") >= 4
+
+
+def test_health_answers_while_a_large_answer_and_a_large_body_are_in_flight(hostile):
+    """A 2048-input embedding answer (~25 MB of JSON) goes out in pieces, and a 60 MB body is
+    decoded once, apart: /health keeps answering meanwhile, its slowest answer within the
+    suite's budget for a stall of the event loop (a multiple of its idle answer)."""
+
+    probe = httpx.Client(timeout=30)  # one connection: the probe's own setup is not measured
+
+    def health_seconds() -> float:
+        started = time.perf_counter()
+        assert probe.get(f"{hostile.root_url}/health").status_code == 200
+        return time.perf_counter() - started
+
+    idle = sorted(health_seconds() for _ in range(20))[10]
+    budget = max(LOOP_STALL_S, 50 * idle)
+    results: dict[str, httpx.Response] = {}
+
+    def embed():
+        results["embeddings"] = httpx.post(f"{hostile.base_url}/embeddings", timeout=600, json={
+            "model": DEFAULT_MODEL, "input": [[1 + i % 1000] for i in range(2048)]})
+
+    # Encoded before the clock starts: this process's own GIL would stall its probes.
+    body = json.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "word " * 12_000_000}]})
+
+    def large_body():
+        results["body"] = httpx.post(f"{hostile.base_url}/chat/completions", content=body, timeout=120,
+                                     headers={"content-type": "application/json"})
+
+    senders = [threading.Thread(target=embed), threading.Thread(target=large_body)]
+    for sender in senders:
+        sender.start()
+    slowest = 0.0
+    while any(sender.is_alive() for sender in senders):
+        slowest = max(slowest, health_seconds())
+        time.sleep(0.02)
+    for sender in senders:
+        sender.join()
+    answer = results["embeddings"]
+    assert answer.status_code == 200 and len(answer.json()["data"]) == 2048
+    assert answer.json()["data"][2047]["index"] == 2047
+    assert "context window" in assert_spec_error(results["body"])["message"]
+    probe.close()
+    assert slowest < budget, (slowest, idle)  # whole, the embeddings' JSON held the loop for ~1 s

@@ -153,10 +153,9 @@ class GrammarCompiler:
         grammar = self._cache.get(spec)
         if grammar is not None:
             return grammar
-        check_gbnf(spec.gbnf, self.limits)
         loop = asyncio.get_running_loop()
-        if self._trials is not None:
-            await loop.run_in_executor(self._pool, self._trial, spec)
+        # Checking a large grammar's text takes a while: off the event loop, too.
+        await loop.run_in_executor(self._pool, self._check, spec)
         # What compiled in the trial compiles here in about the same time: the time limit
         # is now only a watchdog.
         future = loop.run_in_executor(self._pool, self._compile, spec)
@@ -172,9 +171,13 @@ class GrammarCompiler:
         self._cache.put(spec, grammar, grammar.nbytes)
         return grammar
 
-    def _trial(self, spec: GrammarSpec) -> None:
-        """Compile `spec` in a trial process first; raises GrammarError if it cannot, or if it
-        passes the time limit there (the process is then killed)."""
+    def _check(self, spec: GrammarSpec) -> None:
+        """Refuse (GrammarError) what llama.cpp should never see, then, when isolated, what
+        does not compile in a trial process within the time limit (the process is then
+        killed)."""
+        check_gbnf(spec.gbnf, self.limits)
+        if self._trials is None:
+            return
         timeout_s = self.limits.grammar_timeout_s
         try:
             verdict = self._trials.run(spec, timeout_s)

@@ -4,8 +4,9 @@ from it.
 `json.loads` and validation hold the GIL for as long as they run, even in a thread pool, so
 a huge body would stall the event loop (and /health, key refresh, the scheduler's output
 hand-off) for that long. A body over BODY_CHECKED_APART_BYTES is therefore decoded and
-measured first in a process of its own; only a body within the limits is decoded here, and the
-limits bound what that costs: JSON_CONTAINERS objects and arrays take tens of milliseconds.
+measured in a process of its own, which sends back a body within the limits decoded (unpickling
+it costs little next to decoding JSON), so it is decoded once; the limits bound what the
+objects cost to rebuild: JSON_CONTAINERS objects and arrays take tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -48,13 +49,13 @@ def decode_body(body: bytes, limits: Limits) -> dict[str, Any]:
     return data
 
 
-def body_problem(body: bytes, limits: Limits) -> str | None:
-    """decode_body's verdict as text (run in the checking process)."""
+def decode_apart(body: bytes, limits: Limits) -> dict[str, Any] | str:
+    """decode_body's result, or what is wrong as text (run in the checking process: what it
+    sends back is unpickled at memory speed, where decoding JSON would hold the server)."""
     try:
-        decode_body(body, limits)
+        return decode_body(body, limits)
     except BodyError as exc:
         return str(exc)
-    return None
 
 
 def check_shape(body: dict[str, Any], limits: Limits) -> None:
@@ -115,16 +116,20 @@ class BodyChecker:
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
 
-    async def problem(self, body: bytes, limits: Limits) -> str | None:
+    async def decode(self, body: bytes, limits: Limits) -> dict[str, Any]:
+        """The body decoded in the checking process, within the limits; raises BodyError."""
         if self._pool is None:
             # spawn: a fork of a process running llama.cpp threads is not safe
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, body_problem, body, limits)
+            decoded = await asyncio.get_running_loop().run_in_executor(self._pool, decode_apart, body, limits)
         except BrokenProcessPool:
             logger.warning("the body-checking process died on a %d-byte body; starting another", len(body))
             self.close()
-            return "the request body could not be decoded within the server's means"
+            raise BodyError("the request body could not be decoded within the server's means") from None
+        if isinstance(decoded, str):
+            raise BodyError(decoded)
+        return decoded
 
     def close(self) -> None:
         if self._pool is not None:

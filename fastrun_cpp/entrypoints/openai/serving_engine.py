@@ -122,19 +122,21 @@ class OpenAIServing:
             raise APIError(415, f"the request body must be sent as Content-Type: application/json, "
                                 f"not {content_type or 'none'!r}")
         body = await raw.body()
-        if len(body) > BODY_CHECKED_APART_BYTES:
-            problem = await self.body_checker.problem(body, self.limits)
-            if problem is not None:
-                raise bad_request(problem)
-        request = await self.in_prompt_pool(self._parse, body, model)
+        try:
+            decoded = await self.body_checker.decode(body, self.limits) if len(body) > BODY_CHECKED_APART_BYTES \
+                else None
+        except BodyError as exc:
+            raise bad_request(str(exc)) from None
+        request = await self.in_prompt_pool(self._parse, body if decoded is None else decoded, model)
         unknown = request.unknown_fields()
         if unknown:
             logger.debug("request fields not used: %s", ", ".join(unknown))
         return request
 
-    def _parse(self, body: bytes, model: type[R]) -> R:
+    def _parse(self, body: bytes | dict[str, Any], model: type[R]) -> R:
+        """The request from its body, or from the body decoded apart."""
         try:
-            return model.model_validate(decode_body(body, self.limits))
+            return model.model_validate(decode_body(body, self.limits) if isinstance(body, bytes) else body)
         except BodyError as exc:
             raise bad_request(str(exc)) from None
         except ValidationError as exc:

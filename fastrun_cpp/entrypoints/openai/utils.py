@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 T = TypeVar("T")
 
@@ -55,8 +55,34 @@ def request_body_schema(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
+class JSONPieces:
+    """A large JSON answer, made piece by piece as it is sent: building and encoding it whole
+    holds the interpreter (and so the event loop) for as long as that takes."""
+
+    def __init__(self, pieces: Iterator[bytes]) -> None:
+        self.pieces = pieces
+
+    PIECE_BYTES = 256 * 1024  # sent at once; the loop runs other work between them
+
+    async def body(self) -> AsyncIterator[bytes]:
+        buffered: list[bytes] = []
+        size = 0
+        for piece in self.pieces:
+            buffered.append(piece)
+            size += len(piece)
+            if size >= self.PIECE_BYTES:
+                yield b"".join(buffered)
+                buffered, size = [], 0
+                await asyncio.sleep(0)
+        if buffered:
+            yield b"".join(buffered)
+
+
 def respond(request: Request, result: Any) -> Response:
-    """A finished result as JSON, or a stream as server-sent events."""
+    """A finished result as JSON (sent in pieces when it is large), or a stream as server-sent
+    events."""
+    if isinstance(result, JSONPieces):
+        return StreamingResponse(result.body(), media_type="application/json")
     if isinstance(result, AsyncIterator):
         # sse-starlette cancels the iterator when the client disconnects, which aborts the
         # generation and frees its slot; on SIGTERM a stream gets the grace period to finish.

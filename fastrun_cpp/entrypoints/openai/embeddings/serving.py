@@ -4,19 +4,23 @@ through the same queue, admission and limits as generation."""
 from __future__ import annotations
 
 import base64
+import json
+from typing import Iterator
 
 import numpy as np
 
 from fastrun_cpp.engine import GenerationRequest
-from fastrun_cpp.entrypoints.openai.embeddings.protocol import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
+from fastrun_cpp.entrypoints.openai.embeddings.protocol import Embedding, EmbeddingRequest, EmbeddingUsage
 from fastrun_cpp.entrypoints.openai.errors import bad_request, upstream_error
 from fastrun_cpp.entrypoints.openai.protocol import random_id
+from fastrun_cpp.entrypoints.openai.utils import JSONPieces
 from fastrun_cpp.entrypoints.openai.serving_engine import OpenAIServing
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingList:
+    async def create_embedding(self, request: EmbeddingRequest) -> JSONPieces:
+        """An EmbeddingList, made as it is sent."""
         served = self.served_model(request.model)
         dimensions = served.runtime.info.embedding_dimensions
         if dimensions is None:
@@ -35,11 +39,17 @@ class OpenAIServingEmbedding(OpenAIServing):
                 vectors = output.embeddings
         if vectors is None or len(vectors) != len(inputs):
             raise upstream_error("the model returned no embeddings")
-        data = [Embedding(index=index, embedding=self._encoded(vector, request.encoding_format))
-                for index, vector in enumerate(vectors)]
         tokens = sum(map(len, inputs))
-        return EmbeddingList(data=data, model=request.model,
-                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        return JSONPieces(self._pieces(vectors, request, tokens))
+
+    def _pieces(self, vectors: list[list[float]], request: EmbeddingRequest, tokens: int) -> Iterator[bytes]:
+        """An EmbeddingList's JSON, one embedding at a time (2048 of 576 floats are ~25 MB)."""
+        usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        yield b'{"object":"list","data":['
+        for index, vector in enumerate(vectors):
+            item = Embedding(index=index, embedding=self._encoded(vector, request.encoding_format))
+            yield (b"," if index else b"") + item.model_dump_json().encode()
+        yield b'],"model":' + json.dumps(request.model).encode() + b',"usage":' + usage.model_dump_json().encode() + b"}"
 
     def _tokenize_inputs(self, served: ServedModel, request: EmbeddingRequest) -> list[list[int]]:
         """Each input's tokens (in the prompt pool), refused if empty, too long, or not token ids
