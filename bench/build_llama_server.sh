@@ -21,7 +21,10 @@ if [[ ! -d $work/src ]]; then
         "llama_cpp_python-$version/vendor/llama.cpp"
     mkdir -p "$work/src" && touch "$work/src/.extracted"
 fi
-rm -rf "$work/build" "$work/.built"  # a build with other options (this script once passed ours)
+if [[ -f $work/.built ]]; then  # a build with other options (this script once passed ours)
+    rm -rf "$work/build" "$work/.built"
+fi
+# An interrupted build of these options goes on where it stopped (it takes a while on 2 cores).
 cmake -S "$work" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 cmake --build "$work/build" --target llama-server -j "$(nproc)"
