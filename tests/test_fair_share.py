@@ -246,3 +246,26 @@ def test_usage_counts_requests_that_end_early(tmp_path):
     leaver, slow = usage_row(db, "leaver"), usage_row(db, "slow")
     assert leaver["requests"] == 1 and leaver["prompt"] >= prompt // 2 and leaver["completion"] >= 5
     assert slow["requests"] == 1 and slow["prompt"] >= prompt // 2
+
+
+def test_embedding_jobs_take_turns_by_account(tmp_path):
+    """A long list of one account's inputs does not keep another account's short job waiting:
+    jobs are taken in the fair share's order at each input's end."""
+    db = tmp_path / "keys.sqlite3"
+    keys = {name: create_key(db, name) for name in ("bulk", "quick")}
+    with run_server("--slots", "1", "--ctx-size", "1024", "--batch-size", "64", log_dir=tmp_path,
+                    env={"FASTRUN_KEYS_DB": str(db)}) as server:
+        def embed(key: str, inputs: list[str]) -> httpx.Response:
+            return httpx.post(f"{server.base_url}/embeddings", headers=bearer(key), timeout=600,
+                              json={"model": DEFAULT_MODEL, "input": inputs})
+
+        record = "the shipment of crates left the harbour at dawn and reached the northern warehouse by noon"
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            bulk = pool.submit(embed, keys["bulk"], [f"{i}: {record}" for i in range(48)])
+            # The bulk job is in the engine (an embedding job holds no slot: it counts as waiting).
+            assert wait_until(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] >= 1, timeout=120)
+            quick = embed(keys["quick"], ["hello"])
+            assert quick.status_code == 200
+            assert not bulk.done()  # answered in the middle of the other account's list
+            assert bulk.result().status_code == 200
+

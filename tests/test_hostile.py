@@ -555,7 +555,8 @@ def test_control_token_text_in_template_kwargs_and_keys_stays_text(tmp_path):
 def test_health_answers_while_a_large_answer_and_a_large_body_are_in_flight(hostile):
     """A 2048-input embedding answer (~25 MB of JSON) goes out in pieces, and a 60 MB body is
     decoded once, apart: /health keeps answering meanwhile, its slowest answer within the
-    suite's budget for a stall of the event loop (a multiple of its idle answer)."""
+    suite's budget for a stall of the event loop (or a multiple of its slowest answer before,
+    on a loaded machine)."""
 
     probe = httpx.Client(timeout=30)  # one connection: the probe's own setup is not measured
 
@@ -564,8 +565,10 @@ def test_health_answers_while_a_large_answer_and_a_large_body_are_in_flight(host
         assert probe.get(f"{hostile.root_url}/health").status_code == 200
         return time.perf_counter() - started
 
-    idle = sorted(health_seconds() for _ in range(20))[10]
-    budget = max(LOOP_STALL_S, 50 * idle)
+    # The slowest of 20 answers with nothing else in flight: what this machine's load costs
+    # /health now, whatever else shares it.
+    idle = max(health_seconds() for _ in range(20))
+    budget = max(LOOP_STALL_S, 20 * idle)
     results: dict[str, httpx.Response] = {}
 
     def embed():

@@ -445,24 +445,24 @@ class Engine:
     def _embed_step(self) -> list[GenerationOutput]:
         """Embed up to one batch of tokens between two decode steps, so embeddings take turns
         with running answers in pieces no longer than a step's prompt chunk. The input in the
-        embeddings context goes on first; a new one is taken from the job the queue's policy
-        ranks first (fair shares and priorities, as for slots), and its tokens are charged to
-        its account."""
-        job = next((job for job in self._embed_jobs if job.current is not None), None)
-        if job is None:
-            job = min(self._embed_jobs, key=lambda job: self._scheduler.queue.rank(job.request))
-        request = job.request
-        inputs = request.embed_inputs or []
+        embeddings context goes on first; at each input's end the next is taken from the job
+        the queue's policy ranks first (priorities and fair shares, as for slots), and its
+        tokens are charged to its account."""
+        outputs: list[GenerationOutput] = []
         budget = self.config.batch_size
-        try:
-            if self._embedder is None:
-                self._embedder = Embedder(
-                    self.model, pooling=model_pooling(self.model, self.config.embedding_pooling),
-                    max_tokens=self.config.ctx_size, chunk_tokens=self.config.batch_size,
-                    threads=self.config.threads, flash_attn=_FLASH_ATTN[self.config.flash_attn],
-                    type_k=_CACHE_TYPES[self.config.cache_type_k], type_v=_CACHE_TYPES[self.config.cache_type_v],
-                    op_offload=self.config.op_offload)
-            while len(job.vectors) < len(inputs) and budget > 0:
+        while budget > 0 and self._embed_jobs:
+            job = next((job for job in self._embed_jobs if job.current is not None), None) or \
+                min(self._embed_jobs, key=lambda job: self._scheduler.queue.rank(job.request))
+            request = job.request
+            inputs = request.embed_inputs or []
+            try:
+                if self._embedder is None:
+                    self._embedder = Embedder(
+                        self.model, pooling=model_pooling(self.model, self.config.embedding_pooling),
+                        max_tokens=self.config.ctx_size, chunk_tokens=self.config.batch_size,
+                        threads=self.config.threads, flash_attn=_FLASH_ATTN[self.config.flash_attn],
+                        type_k=_CACHE_TYPES[self.config.cache_type_k],
+                        type_v=_CACHE_TYPES[self.config.cache_type_v], op_offload=self.config.op_offload)
                 if job.current is None:
                     job.current = self._embedder.start(inputs[len(job.vectors)])
                 used = self._embedder.advance(job.current, budget)
@@ -471,15 +471,16 @@ class Engine:
                 if job.current.done:
                     job.vectors.append(self._embedder.vector(job.current))
                     job.current = None
-        except Exception as exc:  # this request fails alone
-            logger.exception("embedding request %s failed", request.request_id)
-            self._embed_jobs.remove(job)
-            return [GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc))]
-        if len(job.vectors) < len(inputs):
-            return []
-        self._embed_jobs.remove(job)
-        return [GenerationOutput(request.request_id, finish_reason=FinishReason.STOP,
-                                 prompt_tokens=request.input_tokens, embeddings=job.vectors)]
+            except Exception as exc:  # this request fails alone
+                logger.exception("embedding request %s failed", request.request_id)
+                self._embed_jobs.remove(job)
+                outputs.append(GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc)))
+                continue
+            if len(job.vectors) == len(inputs):
+                self._embed_jobs.remove(job)
+                outputs.append(GenerationOutput(request.request_id, finish_reason=FinishReason.STOP,
+                                                prompt_tokens=request.input_tokens, embeddings=job.vectors))
+        return outputs
 
     def _start(self, admission: Admission) -> None:
         """Start the admitted choices of a request, one slot each: the leader evaluates the
