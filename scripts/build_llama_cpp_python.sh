@@ -24,9 +24,10 @@ done
 # build of the same sources, patches and options (fastrun_cpp.runtime.model_runtime).
 patches_sha=$(cat "$root"/patches/llama.cpp/*.patch | sha256sum | cut -d' ' -f1)
 "$python" -c '
-import json, pathlib, sys
-import llama_cpp
+import importlib.util, json, pathlib, sys
 version, patches, cmake_args = sys.argv[1:4]
-stamp = pathlib.Path(llama_cpp.__file__).with_name("fastrun_build.json")
+# Found, not imported: its dependencies are installed after it.
+package = importlib.util.find_spec("llama_cpp").submodule_search_locations[0]
+stamp = pathlib.Path(package) / "fastrun_build.json"
 stamp.write_text(json.dumps({"version": version, "patches_sha256": patches, "cmake_args": cmake_args}) + "\n")
 ' "$version" "$patches_sha" "${CMAKE_ARGS:-}"
