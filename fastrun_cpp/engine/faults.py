@@ -3,7 +3,8 @@
 `--debug-faults "load-delay=3,decode-fail=2,decode-fail=7"`: delay model loading by 3 s, and
 make the 2nd and 7th `llama_decode` calls fail as a broken backend would. `decode-fail=1@0`
 targets replica 0 of a pool only. `schema-hang` makes the conversion of any schema titled
-"fastrun-debug-hang" hang (to test its time limit). `replica-exit=SEED`: with --backend ray,
+"fastrun-debug-hang" hang, and `grammar-hang` the trial compile of any grammar holding
+GRAMMAR_HANG_TEXT (to test their time limits). `replica-exit=SEED`: with --backend ray,
 the replica that gets a request with that sampling seed dies before answering (once);
 `replica-exit-queued=SEED`: after accepting it, before its first token (once).
 """
@@ -22,7 +23,7 @@ class Faults:
     load_delay_s: float = 0.0
     decode_failures: frozenset[int] = frozenset()  # 1-based numbers of the decode calls that fail
     schema_hang: bool = False  # schema conversions of a schema titled "fastrun-debug-hang" hang
-    grammar_hang: bool = False  # compiling a grammar holding GRAMMAR_HANG_TEXT takes 30 s
+    grammar_hang: bool = False  # a trial compile of a grammar holding GRAMMAR_HANG_TEXT burns a core until killed
     _decodes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
