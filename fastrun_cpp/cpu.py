@@ -111,10 +111,10 @@ def cpu_name() -> str:
     return match.group(1).strip() if match else platform.processor() or "unknown CPU"
 
 
-# llamafile's matrix kernels compute a product of one row differently from the same row among
-# several, so an answer would depend on batching and caching (see `deterministic` in
-# settings.py); ggml's own kernels do not.
-COMMON_ARGS = ("-DGGML_LLAMAFILE=OFF",)
+# llamafile's tinyBLAS matrix kernels, as in llama.cpp's default build (1.4x ggml's own prompt
+# speed on Q8_0 and Q5_0 weights). Deterministic mode keeps them batch-invariant with a switch
+# (patches/llama.cpp/0004, GGML_CPU_LLAMAFILE_BATCH_INVARIANT).
+COMMON_ARGS = ("-DGGML_LLAMAFILE=ON",)
 
 
 def cmake_args(flags: frozenset[str] | None = None, arch: str | None = None) -> list[str]:

@@ -15,7 +15,8 @@ trap 'rm -rf "$work"' EXIT
 tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
 source="$work/llama_cpp_python-$version"
 for patch_file in "$root"/patches/llama.cpp/*.patch; do
-    patch -d "$source" -p1 --forward --quiet < "$patch_file"
+    # --fuzz=0: a patch applies exactly where it was made, or the build stops.
+    patch -d "$source" -p1 --forward --fuzz=0 --quiet < "$patch_file"
 done
 # --no-cache-dir keeps pip from reusing a wheel built with other flags or patches;
 # --force-reinstall rebuilds over a copy already installed.

@@ -1,11 +1,13 @@
 """The kernels the deterministic mode admits (patches/llama.cpp: the batch-invariant tiled
 attention kernel, f16 K and V; Q4_0, IQ4_NL and Q4_K weights repacked for the kernels whose
-one-row path computes a row as the many-row path does) compute every row the same whatever the
-batch: a text's logits at every position are bit for bit the same evaluated whole, one token at
-a time, in uneven chunks, or after another sequence's cells and beside it in every batch. On
-SmolLM2 (Q4_1, full attention, 3 query heads per KV head), on Gemma 3 (Q4_K_M, its Q4_K weights
-repacked; a 512-token sliding window, 4 query heads per KV head; 700 tokens, so the window
-slides), and on SmolLM2 requantized to Q4_0 and IQ4_NL (repacked)."""
+one-row path computes a row as the many-row path does; llamafile's tinyBLAS where a row comes out
+the same in any batch) compute every row the same whatever the batch: a text's logits at every
+position are bit for bit the same evaluated whole, one token at a time, in uneven chunks, or
+after another sequence's cells and beside it in every batch. On SmolLM2 (Q4_1, full attention,
+3 query heads per KV head), on Gemma 3 (Q4_K_M: Q4_K weights repacked, Q5_0 and Q8_0 on
+tinyBLAS; a 512-token sliding window, 4 query heads per KV head; 700 tokens, so the window
+slides), and on SmolLM2 requantized to Q4_0 and IQ4_NL (repacked), Q8_0 and Q5_0 (tinyBLAS from
+two rows, vec_dot for one), F16 and BF16 (tinyBLAS for every row count)."""
 
 from __future__ import annotations
 
@@ -21,17 +23,24 @@ import llama_cpp.llama_cpp as llama
 import pytest
 
 from fastrun_cpp.engine.backend import system_info
-from fastrun_cpp.runtime.model_runtime import (DETERMINISTIC_SWITCHES, repacked_weights_are_batch_invariant,
+from fastrun_cpp.runtime.model_runtime import (DETERMINISTIC_SWITCHES, llamafile_is_batch_invariant,
+                                               repacked_weights_are_batch_invariant,
                                                tiled_attention_is_batch_invariant)
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not tiled_attention_is_batch_invariant(),
-                                reason="llama.cpp built without patches/llama.cpp (make setup applies them)")
 
 
-def probe(model_path, tokens: int) -> tuple[dict[str, list[int]], str]:
+def test_the_build_has_every_kernel_switch():
+    """`make setup` builds llama.cpp with patches/llama.cpp: without them deterministic mode would
+    take other kernels, and this module's checks would prove nothing."""
+    assert tiled_attention_is_batch_invariant(), "no GGML_CPU_FA_BATCH_INVARIANT switch"
+    assert repacked_weights_are_batch_invariant(), "no GGML_CPU_REPACK_BATCH_INVARIANT switch"
+    assert llamafile_is_batch_invariant(), "llamafile's kernels without GGML_CPU_LLAMAFILE_BATCH_INVARIANT"
+
+
+def probe(model_path, tokens: int, switches: dict[str, str] = DETERMINISTIC_SWITCHES) -> tuple[dict[str, list[int]], str]:
     """The positions whose logits differ, by way of evaluating, and llama.cpp's log."""
-    env = {**os.environ, **DETERMINISTIC_SWITCHES}
+    env = {**{k: v for k, v in os.environ.items() if k not in DETERMINISTIC_SWITCHES}, **switches}
     result = subprocess.run([sys.executable, "-m", "tests.batch_invariance_probe", str(model_path), str(tokens)],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -47,11 +56,15 @@ def requantized(source: Path, target: Path, ftype: int) -> Path:
     return target
 
 
-# Tokens evaluated per model. Q4_1 and Q8_0 keep ggml's per-row kernels; Q4_K (Gemma's attention
-# output and half its FFN down projections), Q4_0 and IQ4_NL take the repacked kernels.
-MODELS = {"smollm2": 300, "gemma3": 700, "smollm2-q4_0": 300, "smollm2-iq4_nl": 300}
-REQUANTIZED = {"smollm2-q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "smollm2-iq4_nl": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL}
-REPACKED = {"gemma3", *REQUANTIZED}
+# Tokens evaluated per model. Q4_1 keeps ggml's per-row kernels; Q4_K (Gemma's attention output
+# and half its FFN down projections), Q4_0 and IQ4_NL take the repacked kernels; Q8_0, Q5_0, F16
+# and BF16 take llamafile's tinyBLAS (Gemma's other weights are Q5_0 and Q8_0).
+MODELS = {"smollm2": 300, "gemma3": 700, "smollm2-q4_0": 300, "smollm2-iq4_nl": 300,
+          "smollm2-q8_0": 200, "smollm2-q5_0": 200, "smollm2-f16": 200, "smollm2-bf16": 200}
+REQUANTIZED = {"smollm2-q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "smollm2-iq4_nl": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL,
+               "smollm2-q8_0": llama.LLAMA_FTYPE_MOSTLY_Q8_0, "smollm2-q5_0": llama.LLAMA_FTYPE_MOSTLY_Q5_0,
+               "smollm2-f16": llama.LLAMA_FTYPE_MOSTLY_F16, "smollm2-bf16": llama.LLAMA_FTYPE_MOSTLY_BF16}
+REPACKED = {"gemma3", "smollm2-q4_0", "smollm2-iq4_nl"}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -70,3 +83,14 @@ def test_rows_do_not_depend_on_the_batch(model, gemma_path, tmp_path):
     if model in REPACKED and repacked_weights_are_batch_invariant() and "AVX2 = 1" in system_info():
         # Its weights did take the repacked kernels (one-row and many-row) checked above.
         assert "CPU_REPACK model buffer size" in log, log[-2000:]
+
+
+def test_one_row_f16_products_differ_without_the_llamafile_switch(tmp_path):
+    """What the switch is for, and that the probe sees it: upstream sends a one-row F16 product
+    to ggml's vec_dot, which adds in another order than tinyBLAS does for a prompt's rows."""
+    from fastrun_cpp.default_model import embedded_model_path
+
+    path = requantized(embedded_model_path(), tmp_path / "smollm2-f16.gguf", llama.LLAMA_FTYPE_MOSTLY_F16)
+    switches = {k: v for k, v in DETERMINISTIC_SWITCHES.items() if k != "GGML_CPU_LLAMAFILE_BATCH_INVARIANT"}
+    differing, _ = probe(path, 64, switches)
+    assert any(differing.values()), differing

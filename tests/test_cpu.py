@@ -55,7 +55,15 @@ def test_arm_machines_get_their_own_extensions(flags, arch):
 def test_portable_image_build_is_x86_64_v3():
     built = options(cpu.x86_64_v3_args())
     assert {name for name, value in built.items() if value == "ON"} == {
-        "GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2"}
+        "GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_LLAMAFILE"}
+
+
+def test_every_build_has_llamafile_as_llama_cpp_default_does():
+    """Its kernels are what a user's llama-server runs; exact mode keeps them batch-invariant
+    with a run-time switch (patches/llama.cpp/0004), so one build serves both modes."""
+    for built in (cpu.cmake_args(frozenset(AMD_EPYC_AVX2.split()), "x86_64"), cpu.x86_64_v3_args(),
+                  cpu.cmake_args(frozenset(GRAVITON3.split()), "aarch64")):
+        assert options(built)["GGML_LLAMAFILE"] == "ON"
 
 
 @pytest.mark.skipif(not cpu.CPUINFO.exists(), reason="needs /proc/cpuinfo")

@@ -186,4 +186,4 @@ def test_states_on_disk_name_the_build_that_computed_them():
     assert build is not None, "llama-cpp-python was not built by scripts/build_llama_cpp_python.sh"
     patches = sorted((Path(__file__).parents[1] / "patches" / "llama.cpp").glob("*.patch"))
     assert build["patches_sha256"] == hashlib.sha256(b"".join(p.read_bytes() for p in patches)).hexdigest()
-    assert "-DGGML_LLAMAFILE=OFF" in build["cmake_args"]
+    assert "-DGGML_LLAMAFILE=ON" in build["cmake_args"]

@@ -115,9 +115,12 @@ def is_deterministic(config: ModelConfig) -> bool:
 #   (without the patch, kv_cache_types avoids the kernels that depend on the batch);
 # - GGML_CPU_REPACK_BATCH_INVARIANT=1: repacked weights only where the one-row kernel computes a
 #   row as the many-row one does (read as the weights load; without the patch repacks_weights()
-#   asks for none).
+#   asks for none);
+# - GGML_CPU_LLAMAFILE_BATCH_INVARIANT=1: llamafile's tinyBLAS only where a row comes out the
+#   same in any batch, one row included (Q8_0, Q4_0, Q5_0 from two rows; F32, F16, BF16, IQ4_NL
+#   from one; on x86 with AVX2 and FMA).
 DETERMINISTIC_SWITCHES = {"GGML_CPU_TILED_MM": "0", "GGML_CPU_FA_BATCH_INVARIANT": "1",
-                          "GGML_CPU_REPACK_BATCH_INVARIANT": "1"}
+                          "GGML_CPU_REPACK_BATCH_INVARIANT": "1", "GGML_CPU_LLAMAFILE_BATCH_INVARIANT": "1"}
 
 
 def _llama_cpp_exports(symbol: str) -> bool:
@@ -138,6 +141,12 @@ def repacked_weights_are_batch_invariant() -> bool:
     weights are then repacked for the kernels llama-server uses (on AVX2), whose one-row and
     many-row paths compute a row alike, and no other weight is."""
     return _llama_cpp_exports("ggml_cpu_repack_batch_invariant_supported")
+
+
+def llamafile_is_batch_invariant() -> bool:
+    """Whether this build's matrix kernels keep deterministic mode's promise: built without
+    llamafile, or with the GGML_CPU_LLAMAFILE_BATCH_INVARIANT switch."""
+    return "LLAMAFILE = 1" not in system_info() or _llama_cpp_exports("ggml_cpu_llamafile_batch_invariant_supported")
 
 
 def repacks_weights(config: ModelConfig) -> bool:
@@ -256,6 +265,10 @@ def prepare_process(config: ModelConfig) -> None:
     _process_deterministic = deterministic
     if deterministic:
         os.environ.update(DETERMINISTIC_SWITCHES)
+        if not llamafile_is_batch_invariant():
+            logger.warning("%s: this llama.cpp build has llamafile's kernels without fastrun's batch-invariant switch "
+                           "(patches/llama.cpp): answers may depend on batching and caching; `make setup` builds it",
+                           config.id)
 
 
 def llama_cpp_build() -> dict[str, object] | None:
