@@ -3,18 +3,26 @@
     .venv/bin/python bench/matrix.py [--rounds 2] [--models smollm2,gemma] [--cells prefill,decode,...]
 
 llama-server comes from `bench/build_llama_server.sh` (the llama.cpp that llama-cpp-python
-vendors, built as users build it: llama.cpp's default options, llamafile's tinyBLAS on). Both servers get the same model file, threads,
-slots (16) and context per slot (5120). Servers alternate within every round.
+vendors, built as users build it: llama.cpp's default options, llamafile's tinyBLAS on). Both
+servers get the same model file, threads, slots (16) and context per slot (5120). Servers
+alternate within every round.
 
-Cells (temperature 0, streamed chats, default fastrun-cpp settings: exact mode, n-gram drafts):
+Speculation is compared like with like. Every cell but prefill is run twice over:
+- without speculation on either side: fastrun-cpp `--spec-type none` against plain llama-server;
+- with it on both: fastrun-cpp's default n-gram drafts against llama-server `--spec-type ngram-mod`.
+Prefill (one token answered) is fastrun-cpp's default against plain llama-server.
+
+Cells (streamed chats, default fastrun-cpp settings otherwise: exact mode):
 - prefill-1k / -2k / -4.5k: time to first token of a cold prompt (a fresh nonce in front, so no
   cache on either side holds any of it); ratio = llama-server's TTFT / ours;
-- decode c=1 / c=8 / c=16: aggregate tokens/s of that many 128-token answers at once;
-- both repeated until the cell has lasted 2 s (median TTFT; tokens/s pooled over the repeats);
+- decode c=1 / c=8 / c=16: aggregate tokens/s of that many 128-token answers at once, at
+  temperature 0; sampled c=…: the same at temperature 0.7, each answer seeded;
 - json_schema c=1, required-tool c=1: per-stream decode tokens/s after the first token;
 - copy c=1, records c=1, code-edit c=1: decode tokens/s of answers that restate the prompt
   (bench/speculative.py's workloads: a passage, a list of similar records, a file with one name
-  changed); baseline llama-server with `--spec-type ngram-mod`, its best setting for them.
+  changed), where drafting pays most.
+Every cell repeats until it has lasted MIN_CELL_S and given MIN_ANSWERS answers (median TTFT;
+tokens/s pooled over the repeats).
 
 Models: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, and `tiny` (fastrun_cpp/tiny_model.py: 2 layers,
 64 wide, random weights, SmolLM2's tokenizer; prefill and decode cells only), whose cells measure
@@ -51,17 +59,22 @@ SLOTS = 16
 CTX = 5120
 PREFILL = {"prefill-1k": 1000, "prefill-2k": 2000, "prefill-4.5k": 4500}
 DECODE = {"decode c=1": 1, "decode c=8": 8, "decode c=16": 16}
+SAMPLED = {"sampled c=1": 1, "sampled c=8": 8, "sampled c=16": 16}
 CONSTRAINED = {"json_schema c=1": structured.WORKLOADS["json_schema"],
                "required-tool c=1": structured.WORKLOADS["required tool"]}
 COPIES = {"copy c=1": speculative.copy_body, "records c=1": speculative.records_body,
           "code-edit c=1": speculative.code_edit_body}
-GROUPS = {"prefill": PREFILL, "decode": DECODE, "constrained": CONSTRAINED, "copies": COPIES}
+GROUPS = {"prefill": PREFILL, "decode": DECODE, "sampled": SAMPLED, "constrained": CONSTRAINED, "copies": COPIES}
 LOWER_IS_BETTER = set(PREFILL)
 MIN_CELL_S = 2.0
+MIN_ANSWERS = 3
+# The two sides of each comparison: (ours, baseline) without speculation and with it on both.
+PAIRS = {"no speculation": ("fastrun-cpp no-spec", "llama-server"),
+         "speculation": ("fastrun-cpp", "llama-server ngram-mod")}
 # Random-weight models ("tiny", or any named random-*) answer nonsense: only their speed cells
 # mean anything. The tiny one costs almost nothing per token, so what is left is each server's
 # own work per token, as a fast GPU would leave it visible.
-RANDOM_GROUPS = {"prefill", "decode"}
+RANDOM_GROUPS = {"prefill", "decode", "sampled"}
 
 
 def cold_document(tokens: int) -> str:
@@ -72,34 +85,44 @@ def cold_document(tokens: int) -> str:
     return f"Batch {uuid.uuid4().hex}.\n" + "\n".join(sentences)
 
 
+def sampled_body(index: int) -> dict:
+    return {**speculative.chat_body(index), "temperature": 0.7, "seed": 1000 + index}
+
+
 async def run_cell(base_url: str, group: str, cell: str) -> tuple[float, list[dict]]:
-    """The cell's figure (TTFT s, or tokens/s) and its answers. Prefill and decode cells repeat
-    until they have lasted MIN_CELL_S (the tiny model's last milliseconds, where one sample
-    is mostly noise): the median TTFT of fresh cold prompts, the tokens/s of all rounds pooled."""
+    """The cell's figure (TTFT s, or tokens/s) and its answers, repeated until the cell has
+    lasted MIN_CELL_S and answered MIN_ANSWERS times (the tiny model's last milliseconds, where
+    one sample is mostly noise): the median TTFT of fresh cold prompts, the tokens/s of all
+    rounds pooled."""
     # A connection per request: llama-server may close a kept-alive connection just as it is reused.
     async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        if group == "prefill":
-            answers: list[dict] = []
+        answers: list[dict] = []
+        elapsed = 0.0
+        while len(answers) < MIN_ANSWERS or elapsed < MIN_CELL_S:
             started = time.perf_counter()
-            while not answers or time.perf_counter() - started < MIN_CELL_S:
+            if group == "prefill":
                 question = cold_document(PREFILL[cell]) + "\nWhich crate left last?"
                 body = {"messages": [{"role": "user", "content": question}], "max_tokens": 1}
                 answers.append(await speculative.answer(client, base_url, body))
-            return statistics.median(a["ttft"] for a in answers), answers
-        if group == "decode":
-            count = int(cell.rsplit("=", 1)[1])
-            answers, elapsed = [], 0.0
-            while not answers or elapsed < MIN_CELL_S:
-                started = time.perf_counter()
-                answers.extend(await asyncio.gather(*(speculative.answer(client, base_url, speculative.chat_body(i))
+            elif group in ("decode", "sampled"):
+                count = int(cell.rsplit("=", 1)[1])
+                make = speculative.chat_body if group == "decode" else sampled_body
+                answers.extend(await asyncio.gather(*(speculative.answer(client, base_url, make(len(answers) + i))
                                                       for i in range(count))))
-                elapsed += time.perf_counter() - started
+            elif group == "constrained":
+                body = structured.body(len(answers), 128, CONSTRAINED[cell])
+                answers.append(await speculative.answer(client, base_url, body))
+            else:
+                answers.append(await speculative.answer(client, base_url, COPIES[cell](len(answers))))
+            elapsed += time.perf_counter() - started
+        if group == "prefill":
+            return statistics.median(a["ttft"] for a in answers), answers
+        if group in ("decode", "sampled"):
             return sum(a["tokens"] for a in answers) / elapsed, answers
-        if group == "constrained":
-            answer = await speculative.answer(client, base_url, structured.body(0, 128, CONSTRAINED[cell]))
-            return answer["decode_tok_s"], [answer]
-        answer = await speculative.answer(client, base_url, COPIES[cell](0))
-        return answer["decode_tok_s"], [answer]
+        # One stream at a time: its decode rate after the first token, pooled over the answers.
+        decoded = [a for a in answers if a["decode_tok_s"]]
+        decode_s = sum((a["tokens"] - 1) / a["decode_tok_s"] for a in decoded)
+        return (sum(a["tokens"] - 1 for a in decoded) / decode_s if decode_s else 0.0), answers
 
 
 def engine_counters(base_url: str) -> dict[str, float]:
@@ -119,7 +142,7 @@ def engine_counters(base_url: str) -> dict[str, float]:
 
 def breakdown(name: str, prefill: bool, before: dict | None, after: dict | None, answers: list[dict]) -> str:
     """Where the cell's time went: per prompt token in prefill cells, per generated token else."""
-    if name == "fastrun-cpp" and before is not None and after is not None:
+    if name.startswith("fastrun-cpp") and before is not None and after is not None:
         delta = {key: after[key] - before[key] for key in after}
         steps = delta["llama_decode"] + delta["host"]
         share = delta["llama_decode"] / steps if steps else 0.0
@@ -148,12 +171,11 @@ def tiny_model(like: Path) -> Path:
 
 
 def groups_for(server: str, groups: list[str]) -> list[str]:
-    """Plain llama-server for every cell but the copies, its ngram-mod setting for those."""
-    if server == "fastrun-cpp":
+    """Prefill for the two default servers only (speculation plays no part in a first token);
+    every other group for all four."""
+    if server in ("fastrun-cpp", "llama-server"):
         return groups
-    if server == "llama-server":
-        return [group for group in groups if group != "copies"]
-    return [group for group in groups if group == "copies"]
+    return [group for group in groups if group != "prefill"]
 
 
 def main() -> int:
@@ -185,8 +207,11 @@ def main() -> int:
     slots, more = args.slots, tuple(args.llama_server_args.split())
     groups = [group for group in args.cells.split(",") if group]
     env = {"FASTRUN_KEYS_DB": str(Path(tempfile.mkdtemp(prefix="fastrun-matrix-")) / "keys.sqlite3")}
+    ours = tuple(args.fastrun_args.split())
     servers = {
-        "fastrun-cpp": ServerSpec("fastrun-cpp", slots, CTX, args.threads, extra_args=tuple(args.fastrun_args.split())),
+        "fastrun-cpp": ServerSpec("fastrun-cpp", slots, CTX, args.threads, extra_args=ours),
+        "fastrun-cpp no-spec": ServerSpec("fastrun-cpp", slots, CTX, args.threads,
+                                          extra_args=("--spec-type", "none", *ours), label="fastrun-cpp-no-spec"),
         "llama-server": ServerSpec("llama-server", slots, CTX, args.threads, extra_args=more),
         "llama-server ngram-mod": ServerSpec("llama-server", slots, CTX, args.threads,
                                              extra_args=("--spec-type", "ngram-mod", *more),
@@ -207,9 +232,10 @@ def main() -> int:
                     asyncio.run(run_cell(base, "decode", "decode c=1"))  # warm-up
                     for group in wanted:
                         for cell in cells_of[group]:
-                            before = engine_counters(base) if name == "fastrun-cpp" else None
+                            ours_now = name.startswith("fastrun-cpp")
+                            before = engine_counters(base) if ours_now else None
                             figure, answers = asyncio.run(run_cell(base, group, cell))
-                            after = engine_counters(base) if name == "fastrun-cpp" else None
+                            after = engine_counters(base) if ours_now else None
                             results.setdefault(model, {}).setdefault(cell, {}).setdefault(name, []).append(figure)
                             notes.setdefault(model, {}).setdefault(cell, {})[name] = breakdown(name, group == "prefill",
                                                                                              before, after, answers)
@@ -221,24 +247,29 @@ def main() -> int:
                             cwd=ROOT).stdout.strip()
     print(f"\nbench/matrix.py, {time.strftime('%Y-%m-%d')}, commit {commit}, {platform.machine()}, {args.threads} "
           f"threads, {slots} slots x {CTX} ctx each, median of {args.rounds} rounds; ratio > 1: fastrun-cpp "
-          "ahead (baseline: llama-server, or llama-server --spec-type ngram-mod for copy cells)\n")
+          "ahead. Baseline: llama-server built with llama.cpp's default options; without speculation on either "
+          "side (fastrun-cpp --spec-type none), and with it on both (fastrun-cpp's n-gram drafts, llama-server "
+          "--spec-type ngram-mod). Prefill: both defaults\n")
     for model, cells in results.items():
         print(f"### {model}\n")
-        print("| cell | fastrun-cpp | llama-server | ratio | fastrun-cpp time | llama-server time |")
-        print("|---|---|---|---|---|---|")
+        print("| cell | speculation | fastrun-cpp | llama-server | ratio | fastrun-cpp time | llama-server time |")
+        print("|---|---|---|---|---|---|---|")
         for cell, by_server in cells.items():
-            ours = statistics.median(by_server.get("fastrun-cpp", [0.0]))
-            base_name = "llama-server ngram-mod" if cell in COPIES else "llama-server"
-            theirs = statistics.median(by_server.get(base_name, [0.0]))
-            if cell in LOWER_IS_BETTER:
-                ratio = theirs / ours if ours else 0.0
-                shown = f"{ours:.2f} s | {theirs:.2f} s"
-            else:
-                ratio = ours / theirs if theirs else 0.0
-                shown = f"{ours:.1f} | {theirs:.1f}"
-            where = notes[model][cell]
-            print(f"| {cell} | {shown} | **{ratio:.2f}x** | {where.get('fastrun-cpp', '')} | "
-                  f"{where.get(base_name, '')} |")
+            pairs = {"none (defaults)": ("fastrun-cpp", "llama-server")} if cell in PREFILL else PAIRS
+            for side, (our_name, base_name) in pairs.items():
+                if our_name not in by_server or base_name not in by_server:
+                    continue
+                ours_figure = statistics.median(by_server[our_name])
+                theirs = statistics.median(by_server[base_name])
+                if cell in LOWER_IS_BETTER:
+                    ratio = theirs / ours_figure if ours_figure else 0.0
+                    shown = f"{ours_figure:.2f} s | {theirs:.2f} s"
+                else:
+                    ratio = ours_figure / theirs if theirs else 0.0
+                    shown = f"{ours_figure:.1f} | {theirs:.1f}"
+                where = notes[model][cell]
+                print(f"| {cell} | {side} | {shown} | **{ratio:.2f}x** | {where.get(our_name, '')} | "
+                      f"{where.get(base_name, '')} |")
         print()
     args.json.parent.mkdir(exist_ok=True)
     args.json.write_text(json.dumps({"results": results, "notes": notes, "commit": commit}, indent=1))

@@ -1,6 +1,6 @@
 """Logits of one text evaluated in differently shaped batches, for tests/test_batch_invariance.py.
 
-    python -m tests.batch_invariance_probe MODEL.gguf TOKENS
+    python -m tests.batch_invariance_probe MODEL.gguf TOKENS [--no-repack]
 
 Run in a process of its own: llama.cpp reads its kernel switches once per process. Prints, as
 JSON, for each way of evaluating the text, whether the logits at every sampled position are
@@ -68,8 +68,11 @@ def chunks(tokens: list[int], sizes: list[int], seq: int = 0) -> list[list[tuple
 def main() -> None:
     path, count = sys.argv[1], int(sys.argv[2])
     logging.basicConfig(level=logging.DEBUG, format="%(message)s")  # llama.cpp's log: which buffers it loads into
-    # The deterministic mode's weights: repacked where the build's switch allows it.
-    model = LlamaModel(path, n_gpu_layers=0, repack=repacked_weights_are_batch_invariant())
+    # The deterministic mode's weights: repacked where the build's switch allows it (--no-repack:
+    # in ggml's layout, so that Q4_0 and IQ4_NL weights take llamafile's kernels, as those whose
+    # rows do not divide by 8 do when served).
+    repack = repacked_weights_are_batch_invariant() and "--no-repack" not in sys.argv[3:]
+    model = LlamaModel(path, n_gpu_layers=0, repack=repack)
     words = " ".join(f"Entry {i}: the crate {i * 37 % 101} left dock {i % 9} for port {i * 13 % 17}." for i in range(400))
     tokens = model.tokenize(words, add_special=True)[:count]
     n_vocab = model.n_vocab

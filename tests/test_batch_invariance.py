@@ -7,7 +7,8 @@ after another sequence's cells and beside it in every batch. On SmolLM2 (Q4_1, f
 3 query heads per KV head), on Gemma 3 (Q4_K_M: Q4_K weights repacked, Q5_0 and Q8_0 on
 tinyBLAS; a 512-token sliding window, 4 query heads per KV head; 700 tokens, so the window
 slides), and on SmolLM2 requantized to Q4_0 and IQ4_NL (repacked), Q8_0 and Q5_0 (tinyBLAS from
-two rows, vec_dot for one), F16 and BF16 (tinyBLAS for every row count)."""
+two rows, vec_dot for one), F16 and BF16 (tinyBLAS for every row count), and Q4_0 and IQ4_NL
+again unpacked (tinyBLAS: from two rows, and for every row count)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ def test_the_build_has_every_kernel_switch():
     assert llamafile_is_batch_invariant(), "llamafile's kernels without GGML_CPU_LLAMAFILE_BATCH_INVARIANT"
 
 
-def probe(model_path, tokens: int, switches: dict[str, str] = DETERMINISTIC_SWITCHES) -> tuple[dict[str, list[int]], str]:
+def probe(model_path, tokens: int, switches: dict[str, str] = DETERMINISTIC_SWITCHES,
+          repack: bool = True) -> tuple[dict[str, list[int]], str]:
     """The positions whose logits differ, by way of evaluating, and llama.cpp's log."""
     env = {**{k: v for k, v in os.environ.items() if k not in DETERMINISTIC_SWITCHES}, **switches}
-    result = subprocess.run([sys.executable, "-m", "tests.batch_invariance_probe", str(model_path), str(tokens)],
+    command = [sys.executable, "-m", "tests.batch_invariance_probe", str(model_path), str(tokens)]
+    result = subprocess.run(command + ([] if repack else ["--no-repack"]),
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
@@ -59,11 +62,16 @@ def requantized(source: Path, target: Path, ftype: int) -> Path:
 # Tokens evaluated per model. Q4_1 keeps ggml's per-row kernels; Q4_K (Gemma's attention output
 # and half its FFN down projections), Q4_0 and IQ4_NL take the repacked kernels; Q8_0, Q5_0, F16
 # and BF16 take llamafile's tinyBLAS (Gemma's other weights are Q5_0 and Q8_0).
+# "…-unpacked": Q4_0 and IQ4_NL in ggml's layout, on tinyBLAS (as a weight whose rows do not
+# divide by 8 is served).
 MODELS = {"smollm2": 300, "gemma3": 700, "smollm2-q4_0": 300, "smollm2-iq4_nl": 300,
-          "smollm2-q8_0": 200, "smollm2-q5_0": 200, "smollm2-f16": 200, "smollm2-bf16": 200}
+          "smollm2-q8_0": 200, "smollm2-q5_0": 200, "smollm2-f16": 200, "smollm2-bf16": 200,
+          "smollm2-q4_0-unpacked": 200, "smollm2-iq4_nl-unpacked": 200}
 REQUANTIZED = {"smollm2-q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "smollm2-iq4_nl": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL,
                "smollm2-q8_0": llama.LLAMA_FTYPE_MOSTLY_Q8_0, "smollm2-q5_0": llama.LLAMA_FTYPE_MOSTLY_Q5_0,
-               "smollm2-f16": llama.LLAMA_FTYPE_MOSTLY_F16, "smollm2-bf16": llama.LLAMA_FTYPE_MOSTLY_BF16}
+               "smollm2-f16": llama.LLAMA_FTYPE_MOSTLY_F16, "smollm2-bf16": llama.LLAMA_FTYPE_MOSTLY_BF16,
+               "smollm2-q4_0-unpacked": llama.LLAMA_FTYPE_MOSTLY_Q4_0,
+               "smollm2-iq4_nl-unpacked": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL}
 REPACKED = {"gemma3", "smollm2-q4_0", "smollm2-iq4_nl"}
 
 
@@ -77,12 +85,14 @@ def test_rows_do_not_depend_on_the_batch(model, gemma_path, tmp_path):
         path = requantized(embedded_model_path(), tmp_path / f"{model}.gguf", REQUANTIZED[model])
     else:
         path = embedded_model_path()
-    differing, log = probe(path, MODELS[model])
+    differing, log = probe(path, MODELS[model], repack=not model.endswith("-unpacked"))
     assert len(differing) == 3
     assert differing == {way: [] for way in differing}, differing  # positions whose logits differ
     if model in REPACKED and repacked_weights_are_batch_invariant() and "AVX2 = 1" in system_info():
         # Its weights did take the repacked kernels (one-row and many-row) checked above.
         assert "CPU_REPACK model buffer size" in log, log[-2000:]
+    if model.endswith("-unpacked"):
+        assert "CPU_REPACK model buffer size" not in log, log[-2000:]
 
 
 def test_one_row_f16_products_differ_without_the_llamafile_switch(tmp_path):

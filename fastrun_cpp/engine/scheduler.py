@@ -107,7 +107,7 @@ class Scheduler:
         prompt_rows = sum(slot.prompt_left for slot in prefilling)
         # Drafts take only rows no prompt is waiting for: a prompt row is sure progress, a
         # drafted one a guess; under load speculation yields to batching and prefill alike.
-        rows = min(spec.batch_rows - len(decoding), self._capacity - len(decoding) - prompt_rows)
+        rows = min(spec.step_rows - len(decoding), self._capacity - len(decoding) - prompt_rows)
         return StepPlan(decoding, prefilling, rows if spec.enabled and rows >= spec.draft_min else 0)
 
     def draft_turns(self, decoding: list[Slot]) -> list[Slot]:

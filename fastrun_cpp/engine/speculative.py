@@ -63,13 +63,19 @@ class SpeculationConfig:
     match_max: int = 32  # how far back a match is compared (longer: more sure)
     match_slack: int = 4  # candidates matched this much less than the best still vote
     agreement: float = 0.75  # share of the voting candidates that must agree on a drafted token
-    # Drafts fill the batch up to this many rows after the decode tokens of every slot: under
-    # load the batch is full of decode tokens and speculation yields to batching.
+    # Drafts fill the batch up to this many rows after the decode tokens of every slot (at
+    # least one slot's longest draft): under load the batch is full of decode tokens and
+    # speculation yields to batching.
     batch_rows: int = 16
 
     @property
     def enabled(self) -> bool:
         return self.kind != "none"
+
+    @property
+    def step_rows(self) -> int:
+        """Rows a step's decode tokens and drafts may take together."""
+        return max(self.batch_rows, self.draft_max + 1)
 
 
 class Acceptance:
