@@ -21,14 +21,23 @@ done
 # --no-cache-dir keeps pip from reusing a wheel built with other flags or patches;
 # --force-reinstall rebuilds over a copy already installed.
 "$python" -m pip install --no-cache-dir --force-reinstall --no-deps "$source"
+# Found, not imported: its dependencies are installed after it.
+package=$("$python" -c 'import importlib.util; print(importlib.util.find_spec("llama_cpp").submodule_search_locations[0])')
+# Every switch the patches add (each exports ggml_*_supported) is in the build, or the build
+# stops: deterministic mode would otherwise take other kernels without a word.
+nm -D --defined-only "$package"/lib/lib*.so > "$work/symbols"
+for symbol in $(grep -ho 'int ggml_[a-z0-9_]*_supported(void)' "$root"/patches/llama.cpp/*.patch | sed 's/^int \(.*\)(void)$/\1/' | sort -u); do
+    if ! grep -qw "$symbol" "$work/symbols"; then
+        echo "scripts/build_llama_cpp_python.sh: the build lacks $symbol, which patches/llama.cpp adds" >&2
+        exit 1
+    fi
+done
 # What this build is, beside the library: prompt-cache states on disk are only reused by a
 # build of the same sources, patches and options (fastrun_cpp.runtime.model_runtime).
 patches_sha=$(cat "$root"/patches/llama.cpp/*.patch | sha256sum | cut -d' ' -f1)
 "$python" -c '
-import importlib.util, json, pathlib, sys
-version, patches, cmake_args = sys.argv[1:4]
-# Found, not imported: its dependencies are installed after it.
-package = importlib.util.find_spec("llama_cpp").submodule_search_locations[0]
+import json, pathlib, sys
+package, version, patches, cmake_args = sys.argv[1:5]
 stamp = pathlib.Path(package) / "fastrun_build.json"
 stamp.write_text(json.dumps({"version": version, "patches_sha256": patches, "cmake_args": cmake_args}) + "\n")
-' "$version" "$patches_sha" "${CMAKE_ARGS:-}"
+' "$package" "$version" "$patches_sha" "${CMAKE_ARGS:-}"
