@@ -13,9 +13,10 @@ from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
 from fastrun_cpp.engine.request import GenerationRequest
 from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, WaitingRequest
 from fastrun_cpp.engine.scheduler import Admission, Preemption, Scheduler
-from fastrun_cpp.engine.slot import Slot
+from fastrun_cpp.engine.slot import RunningChoice, Slot
 from fastrun_cpp.engine.speculative import SpeculationConfig
 from fastrun_cpp.engine.stats import EngineStats
+from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
 from fastrun_cpp.engine.tokens import PrefixIndex, common_prefix_length
 
 
@@ -29,10 +30,12 @@ def waiting(request_id: str, n: int = 1, prompt: list[int] | None = None, *, acc
 def occupy(slot: Slot, request_id: str, prompt: list[int] | None = None, *, cursor: int | None = None,
            admitted_at: int = 0, account: str = "", priority: int = 0) -> None:
     """Put a request in a slot the way the engine's start does, without a sampler."""
-    slot.request = GenerationRequest(request_id, prompt or [1, 2, 3], account=account, priority=priority)
-    slot.prompt_cursor = len(slot.request.prompt_tokens) if cursor is None else cursor
-    slot.admitted_at = admitted_at
-    slot.pending_token = 7 if slot.prompt_cursor == len(slot.request.prompt_tokens) else None
+    request = GenerationRequest(request_id, prompt or [1, 2, 3], account=account, priority=priority)
+    prompt_cursor = len(request.prompt_tokens) if cursor is None else cursor
+    slot.start(RunningChoice(request, index=0, admitted_at=admitted_at, prompt_cursor=prompt_cursor,
+                             cached_tokens=0, max_tokens=16, sampler=None, detokenizer=IncrementalDetokenizer([]),
+                             stop_matcher=StopMatcher(())), leader=False)
+    slot.choice.pending_token = 7 if prompt_cursor == len(request.prompt_tokens) else None
 
 
 def scheduler(slots: int = 2, *, capacity: int = 64, speculation: SpeculationConfig | None = None) -> Scheduler:
@@ -46,7 +49,7 @@ def admit_all(sched: Scheduler) -> list[tuple[str, list[int], bool]]:
     for admission in sched.admissions():
         for index, slot in zip(admission.choices, sched.free_slots()):
             occupy(slot, admission.item.request.request_id)
-            slot.index = index
+            slot.choice.index = index
         started.append((admission.item.request.request_id, admission.choices, admission.first_wave))
     return started
 
@@ -139,7 +142,7 @@ def test_drafts_get_only_rows_no_prompt_waits_for():
     assert sched.plan().draft_rows == 16 - 2  # the speculation's own bound
     occupy(slots[2], "long prompt", list(range(29)), cursor=0)
     assert sched.plan().draft_rows == 0  # the prompt needs every row left
-    slots[2].prompt_cursor = 20
+    slots[2].choice.prompt_cursor = 20
     assert sched.plan().draft_rows == 20 - 2 - 9
     assert scheduler(2, speculation=SpeculationConfig(kind="none")).plan().draft_rows == 0
 
@@ -148,7 +151,7 @@ def test_slots_take_turns_to_draft():
     sched = scheduler(3, speculation=SpeculationConfig(kind="ngram"))
     for slot in sched._slots:
         occupy(slot, f"r{slot.seq_id}")
-        slot.speculative = True
+        slot.choice.speculative = True
     first = sched.draft_turns(sched._slots)
     sched.drafted(first[:1])
     assert sched.draft_turns(sched._slots)[-1] is first[0]
@@ -229,10 +232,10 @@ def test_preemption_goes_to_the_least_urgent_then_to_the_account_most_over_its_s
     assert [type(step) for step in steps] == [Admission] and steps[0].item.request.account == "small"
     assert steps[0].preempting is False  # the slot was freed by the caller, not in this round
     occupy(slots[3], "small", [5] * 30, cursor=0, account="small")
-    slots[3].owed = True  # as the engine marks a request that preempted for its slot
+    slots[3].choice.owed = True  # as the engine marks a request that preempted for its slot
     plan = sched.plan()  # its prompt gets a step of its own: its first token waits for no one
     assert plan.decoding == [] and plan.prefilling == [slots[3]] and plan.draft_rows == 0
-    slots[3].owed = False
+    slots[3].choice.owed = False
     assert len(sched.plan().decoding) == 3
     occupy(slots[3], "small", account="small")
     # The flood's next request is over its share (4 slots, 2 accounts: 2 each): no preemption.
@@ -352,14 +355,14 @@ def test_a_prompt_no_slot_holds_goes_next_to_running_slots():
     kv, memory, slots = manager(5)
     for seq, last_used in enumerate([3, 0, 4, 5, 1]):
         slots[seq].last_used = last_used
-    slots[1].request = object()
+    occupy(slots[1], "running")
     free = [slot for slot in slots if slot.is_free]
     assert kv.choose(free, list(range(50)), "")[0] is slots[0]  # next to 1, and older than 2
-    slots[3].request = object()
+    occupy(slots[3], "running")
     free = [slot for slot in slots if slot.is_free]
     assert kv.choose(free, list(range(50)), "")[0] is slots[2]  # fills the hole between 1 and 3
     for slot in slots:
-        slot.request = None
+        slot.choice = None
     assert kv.choose(slots, list(range(50)), "")[0] is slots[1]  # nothing running: least recently used
 
 
@@ -369,7 +372,7 @@ def test_a_prefix_the_host_tier_holds_too_does_not_pull_a_request_away_from_runn
     document = list(range(100))
     fill(kv, memory, slots[0], document[:80])
     kv.save(slots[0])  # the host tier holds the same 80 tokens
-    slots[3].request = object()
+    occupy(slots[3], "running")
     free = [slot for slot in slots if slot.is_free]
     assert kv.choose(free, document, "")[0] in (slots[2], slots[4])
     fill(kv, memory, slots[0], document[:80] + [7] * 60)  # now a longer prefix only slot 0 holds
@@ -558,3 +561,20 @@ def test_a_failed_restore_falls_back_to_the_prefix_the_slot_held():
     assert (source, reused) == ("host", len(system))
     assert slots[0].cache_tokens == system and holds_exactly_its_tokens(memory, slots)
     assert kv.prompt_cache.longest_prefix(prompt, "")[1] == len(system)  # the bad entry is gone
+
+
+def test_the_request_types_and_the_scheduler_load_without_libllama():
+    # What the scheduler and its tests need is plain policy over plain data: importing it (and
+    # the package's names, which load on first use) must not load llama.cpp.
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "import fastrun_cpp.engine.scheduler, fastrun_cpp.engine.kv_cache, fastrun_cpp.engine.output\n"
+              "from fastrun_cpp.engine import GenerationRequest, SamplingParams, CapacityError\n"
+              "loaded = sorted(name for name in sys.modules if name.startswith('llama_cpp'))\n"
+              "assert not loaded, loaded\n"
+              "from fastrun_cpp.engine import Engine\n"
+              "assert 'llama_cpp' in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

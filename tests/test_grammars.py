@@ -14,7 +14,7 @@ from fastrun_cpp.engine.constraint import MasksAhead
 from fastrun_cpp.engine.errors import GrammarError
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import LlamaModel
-from fastrun_cpp.structured import base_grammar
+from fastrun_cpp.structured.grammars import base_grammar
 from fastrun_cpp.parsers import TOOL_PARSERS
 from fastrun_cpp.parsers.reasoning import ThinkTagParser
 from fastrun_cpp.structured.json_schema import schema_to_gbnf, tool_calls_gbnf

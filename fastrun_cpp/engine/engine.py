@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,7 +27,7 @@ from fastrun_cpp.engine.constraint import MasksAhead
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.embedding import Embedder, PartialEmbedding, model_pooling
-from fastrun_cpp.engine.errors import CapacityError, ConstraintError, EngineError, PromptTooLongError
+from fastrun_cpp.engine.errors import ConstraintError, EngineError, PromptTooLongError
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_scale
 from fastrun_cpp.engine.kv_cache import KVCacheManager, LlamaSequenceMemory
@@ -36,11 +35,11 @@ from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.output import OutputProcessor
 from fastrun_cpp.engine.prompt_cache import PromptCache
-from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.request import NO_TOKEN, FinishReason, GenerationOutput, GenerationRequest
 from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, Paused, WaitingRequest
-from fastrun_cpp.engine.sampling import NO_TOKEN, Candidates, SamplerChain
+from fastrun_cpp.engine.sampling import Candidates, SamplerChain
 from fastrun_cpp.engine.scheduler import Admission, Preemption, Scheduler
-from fastrun_cpp.engine.slot import Slot
+from fastrun_cpp.engine.slot import RunningChoice, Slot
 from fastrun_cpp.engine.speculative import (
     Acceptance,
     Drafter,
@@ -51,7 +50,8 @@ from fastrun_cpp.engine.speculative import (
     worth_verifying,
 )
 from fastrun_cpp.engine.stats import EngineStats, ThroughputMeter
-from fastrun_cpp.engine.ubatch import micro_batches, neighbours
+from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
+from fastrun_cpp.engine.ubatch import micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +78,13 @@ _CACHE_TYPES = {
 
 
 @dataclass
-class _Unfinished:
-    """A request's choices added and not yet finished, and who sent it (its share of places)."""
+class _Rows:
+    """Where a slot's tokens are in this step's batch: per-step state, never kept on the slot."""
 
-    choices: int
-    account: str
-    weight: float
+    logits: list[int]  # batch indices of its logits, in position order
+    draft: list[int] = dataclasses.field(default_factory=list)  # guessed after the pending token, verified now
+    chunk_start: int | None = None  # the prompt position of this step's chunk (echo with logprobs)
+    chunk_index: int = 0  # the chunk's first batch index
 
 
 @dataclass
@@ -191,7 +192,8 @@ class Engine:
             prompt_cache=PromptCache(config.prompt_cache_mib * 2**20), disk_cache=disk_cache, counters=self.stats)
         queue = FairShareQueue(config.slots) if config.queue_policy == "fair" else FifoQueue()
         self._scheduler = Scheduler(self._slots, queue, batch_capacity=self._batch.capacity,
-                                    speculation=config.speculation)
+                                    speculation=config.speculation, max_queue=config.max_queue,
+                                    fair=config.queue_policy == "fair")
         self._outputs = OutputProcessor(self.kv_cache, model.eog_token_ids, self._answer_finished)
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
         self._embedder: Embedder | None = None  # made at the first embedding request
@@ -206,7 +208,6 @@ class Engine:
         self._lock = threading.Condition()
         self._inbox: list[WaitingRequest] = []
         self._aborts: set[tuple[str, int | None]] = set()
-        self._unfinished: dict[str, _Unfinished] = {}  # by request id (guarded by _lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fastrun-scheduler", daemon=True)
 
@@ -253,48 +254,12 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is shutting down")
-            self._check_capacity(request)
-            self._unfinished.setdefault(request.request_id,
-                                        _Unfinished(0, request.account, request.weight)).choices += request.n
+            self._scheduler.accept(request, self._throughput)  # or CapacityError
             self._inbox.append(WaitingRequest(request, grammar, list(range(request.n))))
             self._lock.notify()
 
-    def _check_capacity(self, request: GenerationRequest) -> None:
-        """Counted in places: each choice running or waiting takes one, and choices beyond the
-        slot count run in later waves of the request's own places. When all are taken, an
-        account under its share of them (by weight, among the accounts holding places) still
-        gets in, up to that share: the 429 goes to the accounts over theirs."""
-        capacity = self.config.slots + self.config.max_queue
-        needed = self._scheduler.places_of(request.n)
-        places: Counter[str] = Counter()
-        weights: dict[str, float] = {request.account: request.weight}
-        for unfinished in self._unfinished.values():
-            places[unfinished.account] += self._scheduler.places_of(unfinished.choices)
-            weights[unfinished.account] = unfinished.weight
-        if sum(places.values()) + needed <= capacity:
-            return
-        if self.config.queue_policy == "fair" and len(weights) > 1:
-            share = capacity * request.weight / sum(weights.values())
-            if places[request.account] + needed <= share:
-                return
-            raise CapacityError(self.retry_after_s(), over_share=True)
-        raise CapacityError(self.retry_after_s())
-
     def retry_after_s(self) -> int:
-        """When a slot is likely to be free for one more request, from the current decode rate."""
-        rate = self._throughput.tokens_per_s
-        busy = [slot for slot in self._slots if not slot.is_free]
-        if rate <= 0 or not busy:
-            return 1
-        per_slot = rate / len(busy)
-        expected = self._throughput.tokens_per_answer
-        remaining = sorted(max(1.0, min(slot.max_tokens, expected) - slot.n_generated) for slot in busy)
-        with self._lock:
-            # Waiting choices: each needs a slot first.
-            ahead = sum(unfinished.choices for unfinished in self._unfinished.values()) - len(busy)
-        rounds, position = divmod(max(0, ahead), len(busy))
-        seconds = (remaining[position] + rounds * expected) / per_slot
-        return max(1, math.ceil(seconds))
+        return self._scheduler.retry_after_s(self._throughput)
 
     def abort_request(self, request_id: str, index: int | None = None) -> None:
         """Stop a request (all its choices, or just choice `index`) at the next step."""
@@ -331,14 +296,8 @@ class Engine:
         return held / (self.config.slots * self.config.ctx_size)
 
     def load(self) -> tuple[int, int]:
-        """(busy slots, choices accepted and not in a slot), approximately. Counted from what
-        was accepted rather than from the queues, so a request on its way from the inbox to a
-        slot is never missed (a router seeing this replica idle would stack a second request
-        behind it)."""
-        busy = sum(1 for slot in self._slots if not slot.is_free)
-        with self._lock:
-            accepted = sum(unfinished.choices for unfinished in self._unfinished.values())
-        return busy, max(0, accepted - busy)
+        """(busy slots, choices accepted and not in a slot), approximately."""
+        return self._scheduler.load()
 
     # ------------------------------------------------------------- scheduler thread only
 
@@ -388,15 +347,7 @@ class Engine:
         if not self._unsent:
             return
         outputs, self._unsent = self._unsent, []
-        finished = [output.request_id for output in outputs if output.finished]
-        if finished:
-            with self._lock:
-                for request_id in finished:
-                    unfinished = self._unfinished.get(request_id)
-                    if unfinished is not None:
-                        unfinished.choices -= 1
-                        if unfinished.choices <= 0:
-                            del self._unfinished[request_id]
+        self._scheduler.finished([output.request_id for output in outputs if output.finished])
         try:
             self._output_handler(outputs)
         except Exception:
@@ -413,9 +364,8 @@ class Engine:
             outputs.append(GenerationOutput(job.request.request_id, finish_reason=FinishReason.ABORTED))
         for slot in self._slots:
             request = slot.request
-            if request is not None and (request.request_id in whole or (request.request_id, slot.index) in aborts):
-                self._drop_drafts(slot)
-                outputs.append(slot.output(finish_reason=FinishReason.ABORTED))
+            if request is not None and (request.request_id in whole or (request.request_id, slot.choice.index) in aborts):
+                outputs.append(slot.choice.output(finish_reason=FinishReason.ABORTED))
                 self._release(slot)
         return outputs
 
@@ -496,27 +446,29 @@ class Engine:
         room = self.config.ctx_size - len(prompt)
         max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self._clock += 1
-        followers = self._placed([s for s in free if s is not leader], len(choices) - 1, also_busy=leader)
+        followers = self.kv_cache.place([s for s in free if s is not leader], len(choices) - 1, beside=leader)
         speculative = self.config.speculation.enabled and request.speculative
+        token_bytes = self.model.token_bytes_special if request.render_special_tokens else self.model.token_bytes
         for index, slot in zip(choices, [leader, *followers]):
             if slot is not leader:
                 self.kv_cache.take_for_copy(slot, namespace)  # it gets a copy of the prompt's KV
-            slot.start(
+            slot.start(RunningChoice(
                 request,
                 index=index,
-                leader=slot is leader,
-                reused=reused if slot is leader else len(prompt),
+                admitted_at=self._clock,
+                prompt_cursor=reused if slot is leader else len(prompt),
+                cached_tokens=reused if slot is leader else 0,
                 max_tokens=max_tokens,
                 sampler=self._sampler(request, grammar, index),
-                token_bytes=self.model.token_bytes_special if request.render_special_tokens else self.model.token_bytes,
-                admitted_at=self._clock,
+                detokenizer=IncrementalDetokenizer(token_bytes),
+                stop_matcher=StopMatcher(request.stop),
                 speculative=speculative,
-                acceptance=self._acceptance.rate,
-            )
+                acceptance=Acceptance(self._acceptance.rate),
+            ), leader=slot is leader)
             if speculative:
                 self._drafter.start(slot.seq_id, prompt)
-        leader.owed = admission.preempting
-        leader.followers = followers
+        leader.choice.owed = admission.preempting
+        leader.choice.followers = followers
 
     def _preempt(self, slot: Slot) -> None:
         """Pause the slot's choice: its KV goes to host RAM and it waits in the queue, first of
@@ -525,8 +477,8 @@ class Engine:
         if evicted is None:
             return
         request = slot.request
-        item = WaitingRequest(request, None, [slot.index], started=True,
-                              paused=Paused(*evicted, run=slot.detach(self._clock)))
+        item = WaitingRequest(request, None, [slot.choice.index], started=True,
+                              paused=Paused(*evicted, choice=slot.detach(self._clock)))
         self._scheduler.queue.requeue(item)
         self.stats.preemptions += 1
         logger.info("request %s choice %d preempted from slot %d (%d tokens to host RAM)",
@@ -534,33 +486,20 @@ class Engine:
 
     def _resume(self, item: WaitingRequest) -> None:
         paused = item.paused
-        slot, = self._placed(self._scheduler.free_slots(), 1)
-        item.paused = None  # the run is the slot's from here on (or fails with the request)
+        slot, = self.kv_cache.place(self._scheduler.free_slots(), 1)
+        item.paused = None  # the choice is the slot's from here on (or fails with the request)
         if not self.kv_cache.reinstate(slot, paused.state, paused.tokens, paused.namespace):
-            paused.run["sampler"].free()
+            paused.choice.free()
             raise EngineError("the preempted sequence could not be restored")
-        slot.attach(paused.run)
-        if slot.speculative:
-            self._drafter.start(slot.seq_id, [*slot.cache_tokens, slot.pending_token])
-
-    def _placed(self, free: list[Slot], count: int, also_busy: Slot | None = None) -> list[Slot]:
-        """`count` of the free slots to take, each next to running ones where it can be (so
-        their decodes share a micro-batch: see ubatch.py), least recently used among equals."""
-        busy = {slot.seq_id for slot in self._slots if not slot.is_free or slot is also_busy}
-        taken: list[Slot] = []
-        candidates = list(free)
-        for _ in range(min(count, len(candidates))):
-            slot = max(candidates, key=lambda s: (neighbours(s.seq_id, busy), -s.last_used))
-            candidates.remove(slot)
-            busy.add(slot.seq_id)
-            taken.append(slot)
-        return taken
+        slot.attach(paused.choice)
+        if slot.choice.speculative:
+            self._drafter.start(slot.seq_id, [*slot.cache_tokens, slot.choice.pending_token])
 
     @staticmethod
     def _discard(item: WaitingRequest) -> None:
         """Free what a queued item holds that will not run (a preempted choice's sampler)."""
         if item.paused is not None:
-            item.paused.run["sampler"].free()
+            item.paused.choice.free()
             item.paused = None
 
     def _sampler(self, request: GenerationRequest, grammar: CompiledGrammar | None, index: int) -> SamplerChain:
@@ -607,37 +546,34 @@ class Engine:
     def _decode_step(self) -> list[GenerationOutput]:
         batch = self._batch
         batch.clear()
-        in_batch: list[Slot] = []
+        rows: dict[int, _Rows] = {}  # by sequence: every slot in the batch
         plan = self._scheduler.plan()
         drafts = self._drafts(plan.decoding, plan.draft_rows) if plan.draft_rows else {}
         shape: list[tuple[int, int]] = []  # (sequence, tokens) of the decoding slots, in batch order
         for slot in plan.decoding:
-            tokens = [slot.pending_token, *drafts.get(slot.seq_id, ())]
+            tokens = [slot.choice.pending_token, *drafts.get(slot.seq_id, ())]
             last = batch.add(slot.seq_id, tokens, len(slot.cache_tokens), logits=True)
             shape.append((slot.seq_id, len(tokens)))
-            slot.batch_indices = list(range(last - len(tokens) + 1, last + 1))
-            slot.draft = tokens[1:]
+            rows[slot.seq_id] = _Rows(list(range(last - len(tokens) + 1, last + 1)), draft=tokens[1:])
             self.kv_cache.extend(slot, tokens)  # the drafts' KV is dropped again where rejected
             self._scheduler.charge(slot, len(tokens))
-            slot.pending_token = None
-            in_batch.append(slot)
+            slot.choice.pending_token = None
         decode_rows = batch.size
         finishing_prefill: list[Slot] = []
         for slot, length in self._scheduler.prompt_chunks(plan.prefilling, batch.free):
-            prompt = slot.request.prompt_tokens
-            chunk = prompt[slot.prompt_cursor : slot.prompt_cursor + length]
-            done = slot.prompt_cursor + len(chunk) == len(prompt)
-            scored = slot.request.prompt_logprobs is not None  # echo: logits of every prompt position
-            last = batch.add(slot.seq_id, chunk, slot.prompt_cursor, logits=scored, logits_last=done)
-            slot.chunk = (slot.prompt_cursor, last - len(chunk) + 1)
+            choice = slot.choice
+            prompt = choice.request.prompt_tokens
+            chunk = prompt[choice.prompt_cursor : choice.prompt_cursor + length]
+            done = choice.prompt_cursor + len(chunk) == len(prompt)
+            scored = choice.request.prompt_logprobs is not None  # echo: logits of every prompt position
+            last = batch.add(slot.seq_id, chunk, choice.prompt_cursor, logits=scored, logits_last=done)
+            rows[slot.seq_id] = _Rows([last] if done else [], chunk_start=choice.prompt_cursor if scored else None,
+                                      chunk_index=last - len(chunk) + 1)
             self.kv_cache.extend(slot, chunk)
             self._scheduler.charge(slot, len(chunk))
-            slot.prompt_cursor += len(chunk)
-            in_batch.append(slot)
+            choice.prompt_cursor += len(chunk)
             if done:
-                slot.batch_indices = [last]
-                slot.draft = []
-                slot.owed = False
+                choice.owed = False
                 finishing_prefill.append(slot)
 
         # Deliver the previous step's outputs only now: their readers then run on the event
@@ -645,7 +581,7 @@ class Engine:
         # with it for the GIL while the batch is built.
         self._flush()
         self._masks_ahead.start({slot.seq_id: constraint for slot in [*plan.decoding, *finishing_prefill]
-                                 if (constraint := slot.sampler.mask_ahead()) is not None})
+                                 if (constraint := slot.choice.sampler.mask_ahead()) is not None})
         started = time.perf_counter()
         try:
             if self._faults.decode_fails():
@@ -656,18 +592,19 @@ class Engine:
         finally:
             self._mask_seconds = self._masks_ahead.finish()
         if status != 0:
-            return self._decode_failed(status, in_batch)
-        for slot in in_batch:
-            if slot.request is not None and slot.request.prompt_logprobs is not None and slot.chunk is not None:
-                self._score_prompt_chunk(slot)
-        outputs = [self._sample(slot) for slot in plan.decoding]
+            return self._decode_failed(status, [slot for slot in self._slots if slot.seq_id in rows])
+        for slot in self._slots:
+            if slot.seq_id in rows and rows[slot.seq_id].chunk_start is not None and slot.choice is not None:
+                self._score_prompt_chunk(slot, rows[slot.seq_id])
+        outputs = [self._sample(slot, rows[slot.seq_id]) for slot in plan.decoding]
         for slot in finishing_prefill:
             # What the followers copy is read before the leader samples: an answer that ends
             # at its first token releases the leader's slot.
-            request, followers, slot.followers = slot.request, slot.followers, []
-            prompt_view = (slot.batch_indices, slot.cached_tokens, slot.prompt_logprobs)
-            outputs.append(self._sample(slot))
-            outputs.extend(self._fork(slot, request, followers, prompt_view))
+            choice = slot.choice
+            followers, choice.followers = choice.followers, []
+            prompt_view = (rows[slot.seq_id].logits, choice.cached_tokens, choice.prompt_logprobs)
+            outputs.append(self._sample(slot, rows[slot.seq_id]))
+            outputs.extend(self._fork(slot, choice.request, followers, prompt_view))
         elapsed = time.perf_counter() - started
         self._throughput.step(sum(len(o.token_ids) for o in outputs), elapsed)
         # A step without prompt chunks that llama.cpp ran in one pass prices a pass of its rows.
@@ -681,50 +618,51 @@ class Engine:
         slots = {slot.seq_id: slot for slot in turns}
         draft_max = self.config.speculation.draft_max
         drafts = self._drafter.propose(
-            [DraftTurn(slot.seq_id, slot.cache_tokens, slot.pending_token, min(self._draft_room(slot), draft_max))
+            [DraftTurn(slot.seq_id, slot.cache_tokens, slot.choice.pending_token, min(self._draft_room(slot), draft_max))
              for slot in turns], rows)
         # A drafted token the grammar refuses would only be verified to be thrown away.
         for seq in list(drafts):
-            if valid := slots[seq].sampler.valid_draft(drafts[seq]):
+            if valid := slots[seq].choice.sampler.valid_draft(drafts[seq]):
                 drafts[seq] = valid
             else:
                 del drafts[seq]
-        kept = worth_verifying([(seq, len(draft), slots[seq].acceptance.rate) for seq, draft in drafts.items()],
+        kept = worth_verifying([(seq, len(draft), slots[seq].choice.acceptance.rate) for seq, draft in drafts.items()],
                                [slot.seq_id for slot in decoding], self._step_costs, self._n_ubatch)
         self._scheduler.drafted([slots[seq] for seq in drafts])  # drafting, verified or not, ends a turn
         for seq in drafts:
             if seq not in kept:
-                slots[seq].acceptance.held_back(drafts[seq])
+                slots[seq].choice.acceptance.held_back(drafts[seq])
         return {seq: drafts[seq][:length] for seq, length in kept.items()}
 
     def _draft_room(self, slot: Slot) -> int:
         # Room for the pending token, the drafts and the bonus token: in the answer's length
         # and in the context.
-        return min(slot.max_tokens - slot.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
+        return min(slot.choice.max_tokens - slot.choice.n_generated - 1, self.config.ctx_size - len(slot.cache_tokens) - 2)
 
-    def _sample(self, slot: Slot) -> GenerationOutput:
+    def _sample(self, slot: Slot, rows: _Rows) -> GenerationOutput:
         """Pick the slot's tokens from this step's logits: one, or - with drafts - one per
         position while the picks equal the drafted tokens (each drafted token accepted is one
         decode step saved)."""
+        choice = slot.choice
         emitted: list[int] = []
-        logprobs: list[TokenLogprob] | None = [] if slot.request.logprobs is not None else None
-        drafted = len(slot.draft)
-        for position, batch_index in enumerate(slot.batch_indices):
+        logprobs: list[TokenLogprob] | None = [] if choice.request.logprobs is not None else None
+        drafted = len(rows.draft)
+        for position, batch_index in enumerate(rows.logits):
             try:
-                token = slot.sampler.sample(self._ctx, batch_index, self._candidates)
+                token = choice.sampler.sample(self._ctx, batch_index, self._candidates)
             except ConstraintError as exc:
-                return self._reject_for_grammar(slot, f"the grammar cannot go on ({exc}); simplify the schema's "
+                return self._reject_for_grammar(slot, rows, f"the grammar cannot go on ({exc}); simplify the schema's "
                                                       "patterns or repetitions (limit --limit-grammar-step-ms)")
-            if slot.sampler.constrained:
+            if choice.sampler.constrained:
                 # The grammar's CPU for this token: in the step, and ahead of it (MasksAhead).
-                grammar_ms = slot.sampler.grammar_ms + 1000 * self._mask_seconds.pop(slot.seq_id, 0.0)
+                grammar_ms = choice.sampler.grammar_ms + 1000 * self._mask_seconds.pop(slot.seq_id, 0.0)
                 self.stats.grammar_steps.observe(grammar_ms / 1000)
                 # The work is bounded before it is done (llguidance's fuel: the ConstraintError
                 # above; the grammar's size and nesting, checked at compile): CPU time is only a
                 # watchdog, far past the budget, so a busy or slower machine never refuses what fits.
                 limit_ms = self._grammar_step_ms * GRAMMAR_WATCHDOG_FACTOR
                 if grammar_ms > limit_ms:
-                    return self._reject_for_grammar(slot, (
+                    return self._reject_for_grammar(slot, rows, (
                         f"the grammar took {grammar_ms:.0f} ms of CPU for one token, over {limit_ms:g} ms "
                         "for this model's vocabulary (limit --limit-grammar-step-ms); simplify the schema's patterns "
                         "or repetitions"))
@@ -734,82 +672,75 @@ class Engine:
             if logprobs is not None:
                 logits = llama.llama_get_logits_ith(self._ctx, batch_index)
                 logprobs.append(token_logprob(logits, self.model.n_vocab, token, slot.request.logprobs))
-            if slot.sampler.watching:  # a lazy grammar must see each token before the next is picked
-                slot.watched_text += slot.detokenizer.token_text(token)
-                slot.sampler.observe(slot.watched_text)
-            if position >= drafted or token != slot.draft[position]:
+            if choice.sampler.watching:  # a lazy grammar must see each token before the next is picked
+                choice.watched_text += choice.detokenizer.token_text(token)
+                choice.sampler.observe(choice.watched_text)
+            if position >= drafted or token != rows.draft[position]:
                 break
         accepted = len(emitted) - 1
-        slot.accepted_now = accepted
         if drafted:
             self.stats.drafted_tokens += drafted
             self.stats.accepted_tokens += accepted
-            slot.drafted_total += drafted
-            slot.accepted_total += accepted
-            slot.acceptance.verified(drafted, accepted)
+            choice.drafted_total += drafted
+            choice.accepted_total += accepted
+            choice.acceptance.verified(drafted, accepted)
             self._acceptance.verified(drafted, accepted)
             self._drafter.verified(slot.seq_id, drafted, accepted)
             # Only the pending token and the accepted drafts are this sequence's now.
             self.kv_cache.truncate(slot, len(slot.cache_tokens) - drafted + accepted)
-        output = self._outputs.accept(slot, emitted, logprobs)
-        if slot.speculative and not output.finished:
+        output = self._outputs.accept(slot, emitted, logprobs, accepted_drafts=accepted)
+        if choice.speculative and not output.finished:
             self._drafter.accept(slot.seq_id, output.token_ids)
-            if (held := slot.acceptance.observe(output.token_ids)) is not None:
+            if (held := choice.acceptance.observe(output.token_ids)) is not None:
                 self._drafter.verified(slot.seq_id, *held)  # a held draft's length learns too
         return output
 
     def _answer_finished(self, slot: Slot) -> None:
-        self.stats.generated_tokens += slot.n_generated
-        self._throughput.answer(slot.n_generated)
+        self.stats.generated_tokens += slot.choice.n_generated
+        self._throughput.answer(slot.choice.n_generated)
         self._release(slot)
 
-    def _reject_for_grammar(self, slot: Slot, error: str) -> GenerationOutput:
+    def _reject_for_grammar(self, slot: Slot, rows: _Rows, error: str) -> GenerationOutput:
         # A grammar's step cost can explode with what it has accepted; one such request must
         # not keep stalling everyone decoding beside it.
         logger.warning("request %s: %s; ending it", slot.request.request_id, error)
-        output = slot.output(finish_reason=FinishReason.ERROR, rejected=True, error=error)
-        self._drop_drafts(slot)
+        output = slot.choice.output(finish_reason=FinishReason.ERROR, rejected=True, error=error)
+        if rows.draft:  # verified no further: their KV goes
+            self.kv_cache.truncate(slot, len(slot.cache_tokens) - len(rows.draft))
         self._release(slot)
         return output
 
-    def _drop_drafts(self, slot: Slot) -> None:
-        if slot.draft:
-            self.kv_cache.truncate(slot, len(slot.cache_tokens) - len(slot.draft))
-            slot.draft = []
-
-    def _score_prompt_chunk(self, slot: Slot) -> None:
+    def _score_prompt_chunk(self, slot: Slot, rows: _Rows) -> None:
         """Logprobs of the prompt tokens this step's chunk predicts (echo with logprobs): the
         logits at position p give the prompt token at p + 1."""
-        start, first_index = slot.chunk
-        slot.chunk = None
-        prompt = slot.request.prompt_tokens
-        top_n = slot.request.prompt_logprobs
+        choice = slot.choice
+        start = rows.chunk_start
+        prompt = choice.request.prompt_tokens
+        top_n = choice.request.prompt_logprobs
         if start == 0:
-            slot.prompt_logprobs.append(None)  # the first token has nothing before it
-        for offset in range(slot.prompt_cursor - start):
+            choice.prompt_logprobs.append(None)  # the first token has nothing before it
+        for offset in range(choice.prompt_cursor - start):
             position = start + offset
             if position + 1 >= len(prompt):
                 break
-            logits = llama.llama_get_logits_ith(self._ctx, first_index + offset)
-            slot.prompt_logprobs.append(token_logprob(logits, self.model.n_vocab, prompt[position + 1], top_n))
+            logits = llama.llama_get_logits_ith(self._ctx, rows.chunk_index + offset)
+            choice.prompt_logprobs.append(token_logprob(logits, self.model.n_vocab, prompt[position + 1], top_n))
 
     def _fork(self, leader: Slot, request: GenerationRequest, followers: list[Slot],
               prompt_view: tuple[list[int], int, list]) -> list[GenerationOutput]:
         """The other choices of a request (n > 1) take a copy of the prompt's KV the leader just
         computed, and draw their first token from the same logits with their own samplers.
-        `prompt_view` is the leader's batch indices, cached tokens and prompt logprobs of this
+        `prompt_view` is the leader's logits rows, cached tokens and prompt logprobs of this
         step, read before it sampled."""
-        batch_indices, cached_tokens, prompt_logprobs = prompt_view
+        logits, cached_tokens, prompt_logprobs = prompt_view
         outputs = []
         for follower in followers:
             if follower.request is not request:  # aborted meanwhile
                 continue
             self.kv_cache.copy(leader, follower)
-            follower.cached_tokens = cached_tokens
-            follower.prompt_logprobs = prompt_logprobs
-            follower.batch_indices = batch_indices
-            follower.draft = []
-            outputs.append(self._sample(follower))
+            follower.choice.cached_tokens = cached_tokens
+            follower.choice.prompt_logprobs = prompt_logprobs
+            outputs.append(self._sample(follower, _Rows(logits)))
         return outputs
 
     def _decode_failed(self, status: int, in_batch: list[Slot]) -> list[GenerationOutput]:
@@ -831,11 +762,12 @@ class Engine:
     def _fail_slots(self, slots: list[Slot], message: str) -> list[GenerationOutput]:
         outputs = []
         for slot in list(slots):
-            slots.extend(f for f in slot.followers if f not in slots)  # they wait for this one's prompt
+            if slot.choice is not None:  # its followers wait for its prompt
+                slots.extend(f for f in slot.choice.followers if f not in slots)
         for slot in slots:
-            if slot.request is None:
+            if slot.choice is None:
                 continue
-            outputs.append(slot.output(finish_reason=FinishReason.ERROR, error=message))
+            outputs.append(slot.choice.output(finish_reason=FinishReason.ERROR, error=message))
             self._release(slot)
             self.kv_cache.clear(slot)
         return outputs

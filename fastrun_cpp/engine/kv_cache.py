@@ -116,22 +116,44 @@ class KVCacheManager:
 
     def choose(self, free: list[Slot], prompt: list[int], namespace: str) -> tuple[Slot, int]:
         """The free slot for a prompt, and the prefix of it the slot holds (for `prepare`): the
-        slot holding the longest prefix only it can give wins; among ties and misses, a slot next
-        to running ones (its decodes then share their micro-batch: see ubatch.py), then the least
-        recently used. What the host tier holds too is restored into any slot, so it does not
-        count; nor does a prefix shorter than MIN_SAVED_TOKENS (a chat template's opening):
-        taking a slot for it would make the slot save its whole sequence first, and lose it for
-        the prompt it belongs to, to gain a few tokens."""
+        slot holding the longest prefix only it can give wins; among ties and misses, the
+        placement rule (`_placement`). What the host tier holds too is restored into any slot,
+        so it does not count; nor does a prefix shorter than MIN_SAVED_TOKENS (a chat
+        template's opening): taking a slot for it would make the slot save its whole sequence
+        first, and lose it for the prompt it belongs to, to gain a few tokens."""
         held = {slot.seq_id: shared_prefix(slot, prompt, namespace) for slot in free}
-        busy = {slot.seq_id for slot in self._slots if not slot.is_free}
+        busy = self._busy()
         in_host = self._host_prefix(prompt, namespace)[1]
 
         def rank(slot: Slot) -> tuple[int, int, int]:
             only_here = held[slot.seq_id] - in_host
-            return (only_here if only_here >= MIN_SAVED_TOKENS else 0), neighbours(slot.seq_id, busy), -slot.last_used
+            return (only_here if only_here >= MIN_SAVED_TOKENS else 0), *self._placement(slot, busy)
 
         slot = max(free, key=rank)
         return slot, held[slot.seq_id]
+
+    def place(self, free: list[Slot], count: int, *, beside: Slot | None = None) -> list[Slot]:
+        """`count` of the free slots for choices that bring their KV along (a copy of their
+        leader's, a preempted choice's own), by the placement rule; `beside` is a slot just
+        taken that is not running yet."""
+        busy = self._busy() | ({beside.seq_id} if beside is not None else set())
+        taken: list[Slot] = []
+        candidates = list(free)
+        for _ in range(min(count, len(candidates))):
+            slot = max(candidates, key=lambda candidate: self._placement(candidate, busy))
+            candidates.remove(slot)
+            busy.add(slot.seq_id)
+            taken.append(slot)
+        return taken
+
+    def _busy(self) -> set[int]:
+        return {slot.seq_id for slot in self._slots if not slot.is_free}
+
+    @staticmethod
+    def _placement(slot: Slot, busy: set[int]) -> tuple[int, int]:
+        """Where a choice goes when no prefix decides: next to running slots (their decodes
+        then share a micro-batch: see ubatch.py), then the least recently used."""
+        return neighbours(slot.seq_id, busy), -slot.last_used
 
     def prepare(self, slot: Slot, prompt: list[int], namespace: str, held: int, *,
                 every_position: bool = False) -> tuple[str, int]:

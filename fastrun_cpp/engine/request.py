@@ -1,14 +1,47 @@
-"""What the engine takes in and hands out, independent of any API."""
+"""What the engine takes in and hands out, independent of any API. Plain data: nothing here
+loads llama.cpp, so the scheduler and its tests run without it."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from fastrun_cpp.structured.spec import GrammarSpec
 from fastrun_cpp.engine.logprobs import TokenLogprob
-from fastrun_cpp.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from fastrun_cpp.structured.spec import GrammarSpec
+
+
+NO_TOKEN = -1  # what a sampler picks when the grammar allows no token at all
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. Defaults follow OpenAI's API."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit; -inf bans)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
 
 
 class FinishReason(str, enum.Enum):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 
 from fastrun_cpp.engine.request import GenerationRequest
 
@@ -14,18 +14,23 @@ if TYPE_CHECKING:
     import numpy as np
 
     from fastrun_cpp.engine.grammar import CompiledGrammar
-    from fastrun_cpp.engine.slot import Slot
+    from fastrun_cpp.engine.slot import RunningChoice, Slot
 
 
 @dataclass(eq=False)
 class Paused:
-    """A preempted choice: its sequence's KV (in host RAM) and the slot's per-request state, to
-    resume in any free slot exactly where it stopped."""
+    """A preempted choice: its sequence's KV (in host RAM) and the choice itself, to resume in
+    any free slot exactly where it stopped."""
 
     state: np.ndarray
     tokens: list[int]
     namespace: str
-    run: dict[str, Any]
+    choice: RunningChoice
+
+
+def fair_share(places: int, weight: float, weights: Iterable[float]) -> float:
+    """An account's fair part of `places`: by its weight among those of the accounts with work."""
+    return places * weight / sum(weights)
 
 
 @dataclass(eq=False)
@@ -222,7 +227,7 @@ class FairShareQueue:
     # ------------------------------------------------------------------ preemption
 
     def victim(self, item: WaitingRequest, running: list[Slot]) -> Slot | None:
-        candidates = [slot for slot in running if slot.is_decoding and not slot.followers]
+        candidates = [slot for slot in running if slot.is_decoding and not slot.choice.followers]
         if not candidates:
             return None
         request = item.request
@@ -230,15 +235,15 @@ class FairShareQueue:
         least_urgent = max(slot.request.priority for slot in candidates)
         if least_urgent > request.priority:
             return max((slot for slot in candidates if slot.request.priority == least_urgent),
-                       key=lambda slot: slot.admitted_at)
+                       key=lambda slot: slot.choice.admitted_at)
         # Fair shares, among sequences of this request's priority.
         peers = [slot for slot in running if slot.request.priority == request.priority]
         held = Counter(slot.request.account for slot in peers)
         accounts = set(held) | {key[1] for key in self._waiting if key[0] == request.priority} | {request.account}
-        total = sum(self._weights.get(account, 1.0) for account in accounts)
+        weights = [self._weights.get(account, 1.0) for account in accounts]
 
         def share(account: str) -> float:
-            return self._slots * self._weights.get(account, 1.0) / total
+            return fair_share(self._slots, self._weights.get(account, 1.0), weights)
 
         if held[request.account] + 1 > share(request.account):
             return None
@@ -248,4 +253,4 @@ class FairShareQueue:
         account = max(over, key=lambda a: held[a] / share(a))
         choices = [slot for slot in candidates if slot.request.account == account
                    and slot.request.priority == request.priority]
-        return max(choices, key=lambda slot: slot.admitted_at) if choices else None
+        return max(choices, key=lambda slot: slot.choice.admitted_at) if choices else None

@@ -7,11 +7,14 @@ import gc
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterable
 
 import llama_cpp.llama_cpp as llama
 import numpy as np
+
+from fastrun_cpp.engine.request import NO_TOKEN, SamplingParams
+
+MIN_REPETITION_PENALTY = 1e-3
 
 
 class _CollectorTime:
@@ -43,36 +46,6 @@ def grammar_clock() -> float:
     """This thread's CPU seconds, less those spent collecting garbage: what a grammar's step
     is measured by."""
     return time.thread_time() - _collector_time.seconds()
-
-
-MIN_REPETITION_PENALTY = 1e-3
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens. Defaults follow OpenAI's API."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit; -inf bans)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def penalized(self) -> bool:
-        return (
-            self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
 
 
 def token_data_array(data: np.ndarray) -> llama.llama_token_data_array:
@@ -121,9 +94,6 @@ class Candidates:
         """Whether the selected token survived the masks (a grammar with no way forward masks
         every token, and a sampler then still selects one)."""
         return math.isfinite(float(self._all["logit"][self._all_array.selected]))
-
-
-NO_TOKEN = -1  # sample(): the grammar allows no token at all
 
 
 class SamplerChain:

@@ -1,7 +1,8 @@
-"""A slot: one llama.cpp sequence in the shared context, serving one request at a time."""
+"""A slot: one llama.cpp sequence in the shared context, and the request's choice it serves."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastrun_cpp.engine.logprobs import TokenLogprob
@@ -13,51 +14,37 @@ if TYPE_CHECKING:
     from fastrun_cpp.engine.sampling import SamplerChain
 
 
-class Slot:
-    """Keeps, between requests, the tokens whose KV its sequence holds, so a later request
-    sharing a prefix evaluates only the rest."""
+@dataclass(eq=False)
+class RunningChoice:
+    """One choice of a request, from its admission to its end: everything about it but its KV
+    (the slot's sequence holds that), so a preemption moves it whole to the queue and back."""
 
-    def __init__(self, seq_id: int) -> None:
-        self.seq_id = seq_id
-        # KV of these tokens, positions 0.., is in the context (kv_cache.KVCacheManager keeps it so).
-        self.cache_tokens: list[int] = []
-        self.namespace = ""  # the cache namespace of the request that computed that KV
-        self.last_used = 0
-        self.request: GenerationRequest | None = None
-        # Per-request state, valid while `request` is set.
-        self.admitted_at = 0
-        self.prompt_cursor = 0
-        self.cached_tokens = 0
-        self.max_tokens = 0
-        self.n_generated = 0
-        self.index = 0  # which of the request's choices
-        self.pending_token: int | None = None  # sampled, not yet decoded
-        self.draft: list[int] = []  # tokens guessed after the pending one, verified this step
-        self.batch_indices: list[int] = []  # where this slot's logits are in the current step
-        self.accepted_now = 0  # drafts accepted in this step (their KV is in the sequence)
-        self.chunk: tuple[int, int] | None = None  # this step's prompt chunk: (position, batch index)
-        self.followers: list[Slot] = []  # the request's other choices, waiting for the prompt's KV
-        self.sampler: SamplerChain | None = None
-        self.speculative = False  # may drafts be proposed for it
-        self.owed = False  # it preempted another for its slot: its prompt runs in a step of its own
-        self.drafted_at = 0  # step of its last draft: slots take turns when drafts are scarce
-        self.drafted_total = 0
-        self.accepted_total = 0
-        self.acceptance = Acceptance()
-        self.detokenizer: IncrementalDetokenizer | None = None
-        self.stop_matcher: StopMatcher | None = None
-        self.watched_text = ""  # generated text, kept while a lazy grammar watches for its trigger
-        self.prompt_logprobs: list[TokenLogprob | None] = []  # echo with logprobs: per prompt token
-        self.prompt_logprobs_sent = False
-
-    @property
-    def is_free(self) -> bool:
-        return self.request is None
+    request: GenerationRequest
+    index: int  # which of the request's choices
+    admitted_at: int  # the engine's admission clock: orders prompts and preemption victims
+    prompt_cursor: int  # prompt tokens whose KV the sequence holds
+    cached_tokens: int  # of those, what a cache gave
+    max_tokens: int  # the answer's length limit (the request's, within the context)
+    sampler: SamplerChain | None
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopMatcher
+    speculative: bool = False  # may drafts be proposed for it
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    n_generated: int = 0
+    pending_token: int | None = None  # sampled, not yet decoded
+    followers: list[Slot] = field(default_factory=list)  # the request's other choices, waiting for the prompt's KV
+    owed: bool = False  # it preempted another for its slot: its prompt runs in a step of its own
+    drafted_at: int = 0  # the drafting turn it last drafted in: slots take turns when drafts are scarce
+    drafted_total: int = 0
+    accepted_total: int = 0
+    watched_text: str = ""  # generated text, kept while a lazy grammar watches for its trigger
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # echo with logprobs
+    prompt_logprobs_sent: bool = False
 
     @property
     def prompt_left(self) -> int:
         """Prompt tokens not evaluated yet."""
-        return len(self.request.prompt_tokens) - self.prompt_cursor if self.request is not None else 0
+        return len(self.request.prompt_tokens) - self.prompt_cursor
 
     @property
     def is_prefilling(self) -> bool:
@@ -67,49 +54,7 @@ class Slot:
     def is_decoding(self) -> bool:
         return self.pending_token is not None
 
-    def start(
-        self,
-        request: GenerationRequest,
-        *,
-        index: int,
-        leader: bool,
-        reused: int,
-        max_tokens: int,
-        sampler: SamplerChain,
-        token_bytes: list[bytes],
-        admitted_at: int,
-        speculative: bool = False,
-        acceptance: float = 1.0,
-    ) -> None:
-        """Take a request's choice `index`; the first `reused` prompt tokens are in the KV
-        already (a follower, which waits for its leader's prompt, counts all of them)."""
-        assert not leader or len(self.cache_tokens) == reused
-        self.request = request
-        self.index = index
-        self.admitted_at = admitted_at
-        self.prompt_cursor = reused
-        self.cached_tokens = reused if leader else 0
-        self.max_tokens = max_tokens
-        self.n_generated = 0
-        self.pending_token = None
-        self.draft = []
-        self.batch_indices = []
-        self.accepted_now = 0
-        self.chunk = None
-        self.followers = []
-        self.sampler = sampler
-        self.speculative = speculative
-        self.owed = False
-        self.drafted_total = self.accepted_total = 0
-        self.acceptance = Acceptance(acceptance)
-        self.detokenizer = IncrementalDetokenizer(token_bytes)
-        self.stop_matcher = StopMatcher(request.stop)
-        self.watched_text = ""
-        self.prompt_logprobs = []
-        self.prompt_logprobs_sent = False
-
     def output(self, **fields) -> GenerationOutput:
-        assert self.request is not None
         if self.request.prompt_logprobs is not None and not self.prompt_logprobs_sent and self.n_generated:
             fields["prompt_logprobs"] = self.prompt_logprobs
             self.prompt_logprobs_sent = True
@@ -126,45 +71,64 @@ class Slot:
 
     def finish_text(self) -> tuple[str, bool]:
         """Flush held-back text at the end; returns (text, whether a stop string completed)."""
-        assert self.detokenizer is not None and self.stop_matcher is not None
         text, stopped = self.stop_matcher.push(self.detokenizer.flush())
         if not stopped:
             text += self.stop_matcher.flush()
         return text, stopped
 
-    # What `detach` takes along: everything of the running choice but the KV (kept apart).
-    RUN_FIELDS = (
-        "request", "admitted_at", "prompt_cursor", "cached_tokens", "max_tokens", "n_generated", "index",
-        "pending_token", "draft", "batch_indices", "accepted_now", "chunk", "followers", "sampler", "speculative",
-        "owed", "drafted_at", "drafted_total", "accepted_total", "acceptance", "detokenizer", "stop_matcher",
-        "watched_text", "prompt_logprobs", "prompt_logprobs_sent",
-    )
-
-    def detach(self, clock: int) -> dict:
-        """Take the running choice out of the slot (to resume it elsewhere) and free the slot."""
-        run = {name: getattr(self, name) for name in self.RUN_FIELDS}
-        self.sampler = None  # it goes with the run
-        self.release(clock)
-        return run
-
-    def attach(self, run: dict) -> None:
-        """Resume a detached choice here (its KV restored into this slot's sequence first)."""
-        for name, value in run.items():
-            setattr(self, name, value)
-
-    def release(self, clock: int) -> None:
+    def free(self) -> None:
+        """Free what the choice holds in llama.cpp (its sampler), when it will not run on."""
         if self.sampler is not None:
             self.sampler.free()
-        self.request = None
-        self.sampler = None
-        self.detokenizer = None
-        self.stop_matcher = None
-        self.watched_text = ""
-        self.prompt_logprobs = []
-        self.pending_token = None
-        self.draft = []
-        self.batch_indices = []
-        self.accepted_now = 0
-        self.chunk = None
-        self.followers = []
+            self.sampler = None
+
+
+class Slot:
+    """Keeps, between requests, the tokens whose KV its sequence holds, so a later request
+    sharing a prefix evaluates only the rest; `choice` is what it serves now."""
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+        # KV of these tokens, positions 0.., is in the context (kv_cache.KVCacheManager keeps it so).
+        self.cache_tokens: list[int] = []
+        self.namespace = ""  # the cache namespace of the request that computed that KV
+        self.last_used = 0
+        self.choice: RunningChoice | None = None
+
+    @property
+    def request(self) -> GenerationRequest | None:
+        return self.choice.request if self.choice is not None else None
+
+    @property
+    def is_free(self) -> bool:
+        return self.choice is None
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.choice is not None and self.choice.is_prefilling
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.choice is not None and self.choice.is_decoding
+
+    def start(self, choice: RunningChoice, *, leader: bool) -> None:
+        """Take a request's choice; a leader's sequence holds its first `prompt_cursor` prompt
+        tokens already (a follower, which waits for its leader's prompt, counts all of them)."""
+        assert not leader or len(self.cache_tokens) == choice.prompt_cursor
+        self.choice = choice
+
+    def detach(self, clock: int) -> RunningChoice:
+        """Take the running choice out of the slot (to resume it elsewhere) and free the slot."""
+        choice, self.choice = self.choice, None
+        self.last_used = clock
+        return choice
+
+    def attach(self, choice: RunningChoice) -> None:
+        """Resume a detached choice here (its KV restored into this slot's sequence first)."""
+        self.choice = choice
+
+    def release(self, clock: int) -> None:
+        if self.choice is not None:
+            self.choice.free()
+        self.choice = None
         self.last_used = clock

@@ -43,7 +43,8 @@ from fastrun_cpp.parsers import ReasoningParser, ToolFunction, ToolParser
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
 from fastrun_cpp.parsers.tool_calls import FallbackToolParser
 from fastrun_cpp.runtime import EngineStream, ModelRuntime
-from fastrun_cpp.structured import base_grammar, closed_object_keys
+from fastrun_cpp.structured.grammars import base_grammar
+from fastrun_cpp.structured.json_schema import closed_object_keys
 from fastrun_cpp.structured.builder import BuildError
 from fastrun_cpp.structured.reasoning import with_optional_reasoning
 from fastrun_cpp.structured.spec import CallableFunction, GrammarSpec, Trigger
