@@ -50,7 +50,11 @@ def test_queued_request_waits_for_the_slot_and_is_served(one_slot_server):
                 # A second request queues behind the first; leaving the queue also works.
                 with pytest.raises(httpx.ReadTimeout):
                     other.post("/completions", json={**COUNTING, "max_tokens": 3}, timeout=0.5)
+            # It left the queue while the first answer still holds the slot.
+            assert wait_until(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] == 0, timeout=60)
             assert server.health()["models"][DEFAULT_MODEL]["busy_slots"] == 1
+            line = next(lines)
+            assert line.startswith("data: {") and '"finish_reason":null' in line.replace(" ", "")
         assert wait_until(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] == 0
                           and server.busy_slots() == 0, timeout=5)
         answer = http.post("/completions", json={**COUNTING, "max_tokens": 3}).json()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -42,29 +41,53 @@ def keyed(tmp_path_factory):
         yield server, db, keys
 
 
+def stream(server, key: str, path: str, body: dict, decoding: threading.Event | None = None,
+           choices: int = 1) -> tuple[dict[int, str], dict]:
+    """A streamed request's text per choice and its usage; `decoding` is set once `choices` of
+    its choices have sent text (past their prompts: a sequence in prefill is not preempted)."""
+    texts: dict[int, str] = {}
+    usage: dict = {}
+    with httpx.stream("POST", f"{server.base_url}/{path}", headers=bearer(key), timeout=600,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                texts[choice["index"]] = texts.get(choice["index"], "") + piece
+            if decoding is not None and sum(1 for text in texts.values() if text) >= choices:
+                decoding.set()
+    return texts, usage
+
+
+def wait_for(event: threading.Event, future: concurrent.futures.Future) -> None:
+    """Until `event` is set; a request that ends (or fails) first fails the test."""
+    wait_until(lambda: event.is_set() or future.done(), timeout=300)
+    if not event.is_set():
+        future.result()  # raises what it raised
+        pytest.fail("the request ended before it got to the state waited for")
+
+
 def test_an_account_flooding_every_slot_does_not_keep_another_waiting(keyed):
     server, _, keys = keyed
     before = preemptions(server, keys["ops"])
+    decoding = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # Six long answers from one account: both slots, and four more waiting.
-        flood = pool.submit(httpx.post, f"{server.base_url}/completions", headers=bearer(keys["flood"]), timeout=600,
-                            json={"model": DEFAULT_MODEL, "prompt": [NUMBERS] * 6, "max_tokens": 200,
-                                  "temperature": 0})
-        deadline = time.monotonic() + 60
-        while metric(httpx.get(f"{server.root_url}/metrics", headers=bearer(keys["ops"])).text,
-                     "fastrun_num_requests_running", model=DEFAULT_MODEL) < 2:
-            assert time.monotonic() < deadline and not flood.done()
-            time.sleep(0.05)
-        time.sleep(0.5)  # both past their prompts: decoding (a sequence in prefill is not preempted)
+        flood = pool.submit(stream, server, keys["flood"], "completions", {
+            "model": DEFAULT_MODEL, "prompt": [NUMBERS] * 6, "max_tokens": 200, "temperature": 0}, decoding, 2)
+        wait_for(decoding, flood)  # both slots decoding
         small = chat(server, keys["small"], "Say hi.", 2)
         assert small.status_code == 200, small.text
         # First come, first served would have put it behind the four waiting answers.
         assert not flood.done()
         assert preemptions(server, keys["ops"]) > before
-        answer = flood.result()
-    assert answer.status_code == 200, answer.text
-    assert len(answer.json()["choices"]) == 6
-    assert all(choice["text"] for choice in answer.json()["choices"])
+        texts, _ = flood.result()
+    assert sorted(texts) == list(range(6))
+    assert all(texts.values())
 
 
 def test_a_preempted_answer_resumes_exactly_where_it_stopped(keyed):
@@ -72,22 +95,21 @@ def test_a_preempted_answer_resumes_exactly_where_it_stopped(keyed):
     reference = chat(server, keys["urgent"], COUNTING, 120).json()
     assert reference["choices"][0]["finish_reason"] == "length"
     before = preemptions(server, keys["ops"])
+    body = {"model": DEFAULT_MODEL, "max_tokens": 120, "temperature": 0,
+            "messages": [{"role": "user", "content": COUNTING}]}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         # Both slots busy with answers of priority 0, then an urgent request arrives.
-        running = [pool.submit(chat, server, keys["urgent"], COUNTING, 120) for _ in range(2)]
-        deadline = time.monotonic() + 60
-        while metric(httpx.get(f"{server.root_url}/metrics", headers=bearer(keys["ops"])).text,
-                     "fastrun_num_requests_running", model=DEFAULT_MODEL) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.3)  # both are decoding
+        decoding = [threading.Event() for _ in range(2)]
+        running = [pool.submit(stream, server, keys["urgent"], "chat/completions", body, event) for event in decoding]
+        for event, future in zip(decoding, running):
+            wait_for(event, future)
         urgent = chat(server, keys["urgent"], "Say hi.", 3, priority=-5)
         assert urgent.status_code == 200, urgent.text
-        answers = [future.result().json() for future in running]
+        answers = [future.result() for future in running]
     assert preemptions(server, keys["ops"]) > before
-    for answer in answers:  # greedy, batch-invariant kernels: pausing changes nothing
-        assert answer["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
-        assert answer["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+    for texts, usage in answers:  # greedy, batch-invariant kernels: pausing changes nothing
+        assert texts[0] == reference["choices"][0]["message"]["content"]
+        assert usage["completion_tokens"] == reference["usage"]["completion_tokens"]
 
 
 def test_a_key_asks_for_no_more_urgent_priority_than_it_may(keyed):
@@ -116,23 +138,31 @@ def test_an_account_over_its_rate_limit_gets_429_and_others_do_not(keyed):
 
 def test_the_429_for_a_full_queue_goes_to_the_account_over_its_share(tmp_path):
     db = tmp_path / "keys.sqlite3"
-    keys = {name: create_key(db, name) for name in ("flood", "small")}
+    keys = {name: create_key(db, name) for name in ("flood", "small", "ops")}
+    assert keys_cli(db, "admin", "ops").returncode == 0
     with run_server("--slots", "1", "--ctx-size", "1024", "--max-queue", "1", log_dir=tmp_path,
                     env={"FASTRUN_KEYS_DB": str(db)}) as server:
+        def load() -> tuple[float, float]:
+            text = httpx.get(f"{server.root_url}/metrics", headers=bearer(keys["ops"]), timeout=30).text
+            return (metric(text, "fastrun_num_requests_running", model=DEFAULT_MODEL),
+                    metric(text, "fastrun_num_requests_waiting", model=DEFAULT_MODEL))
+
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            flood = pool.submit(httpx.post, f"{server.base_url}/completions", headers=bearer(keys["flood"]),
-                                timeout=600, json={"model": DEFAULT_MODEL, "prompt": [NUMBERS] * 2,
-                                                   "max_tokens": 150, "temperature": 0})
-            time.sleep(0.5)
+            decoding = threading.Event()
+            flood = pool.submit(stream, server, keys["flood"], "completions", {
+                "model": DEFAULT_MODEL, "prompt": [NUMBERS] * 2, "max_tokens": 150, "temperature": 0}, decoding)
+            wait_for(decoding, flood)  # its first answer runs, its second waits: every place is its
             more = chat(server, keys["flood"], "Say hi.", 1)
             assert more.status_code == 429  # all places are the flood's
             small = pool.submit(chat, server, keys["small"], "Say hi.", 2)
-            time.sleep(0.3)
+            wait_until(lambda: load()[1] >= 2 or small.done(), timeout=300)  # the small request waits too
+            assert not small.done()
             again = chat(server, keys["flood"], "Say hi.", 1)
             assert again.status_code == 429
             assert "share" in again.json()["error"]["message"]
             assert small.result().status_code == 200  # in, though every place was taken
-            assert flood.result().status_code == 200
+            texts, _ = flood.result()  # it streamed to its end (a failure raised)
+            assert sorted(texts) == [0, 1] and all(texts.values())
 
 
 def test_usage_per_account_is_kept_across_restarts(tmp_path):

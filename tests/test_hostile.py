@@ -243,8 +243,13 @@ def test_objects_and_arrays_in_a_body_are_bounded(hostile, parts, accepted):
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}] * parts}] * 1900
     response = httpx.post(f"{hostile.base_url}/chat/completions", timeout=120,
                           json={"model": DEFAULT_MODEL, "messages": messages, "max_tokens": 1})
+    assert response.status_code in (200, 400), response.text
     message = response.json()["error"]["message"] if response.status_code != 200 else ""
-    assert ("--limit-json-containers" in message) is not accepted, message
+    if accepted:  # decoded and validated whole; 1900 turns of 15 parts overflow the context instead
+        assert response.status_code == 200 or "--limit-json-containers" not in message and (
+            "too long" in message or "context" in message), message
+    else:
+        assert "--limit-json-containers" in message, message
 
 
 def test_slow_headers_are_cut_off(hostile):

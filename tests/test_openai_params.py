@@ -87,6 +87,7 @@ def test_choices_beyond_the_slots_take_turns_with_other_requests(tmp_path):
                     finished[choice.index] = choice.finish_reason
         other.join()
     assert seen_when_other_finished and seen_when_other_finished[0] < 4
+    assert sorted(finished) == [0, 1, 2, 3] and all(texts_by_choice.values())
     assert len(set(texts_by_choice.values())) == 1  # greedy: every wave gives the same answer
 
 

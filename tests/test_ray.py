@@ -90,10 +90,9 @@ def test_a_disconnect_frees_the_slot_on_its_replica(ray_server):
         for index, _ in enumerate(response.iter_lines()):
             if index > 5:
                 break
-    deadline = time.monotonic() + 20
-    while ray_server.busy_slots() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray_server.busy_slots() == 0
+        # The answer runs when the client goes (the replicas report their slots periodically).
+        assert wait_until(lambda: ray_server.busy_slots() >= 1, timeout=30)
+    assert wait_until(lambda: ray_server.busy_slots() == 0, timeout=60)
 
 
 def test_overload_gives_429s_with_retry_after_and_no_5xx(ray_server):
@@ -181,7 +180,7 @@ def test_a_choice_stopped_at_a_repeated_call_ends_on_its_replica_as_locally(ray_
     assert remote["usage"]["completion_tokens"] == local["usage"]["completion_tokens"] < 200
     decoded = settled_generated_tokens(ray_server) - before
     # The stop reaches the replica within a few steps; without it the choice runs to its end.
-    assert decoded <= remote["usage"]["completion_tokens"] + 16, decoded
+    assert remote["usage"]["completion_tokens"] <= decoded <= remote["usage"]["completion_tokens"] + 16, decoded
 
 
 def test_replicas_get_the_gpus_of_the_cluster_unless_the_model_stays_on_the_cpu():

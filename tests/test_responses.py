@@ -268,8 +268,8 @@ def test_a_custom_tools_call_is_a_custom_tool_call(http, streamed):
     calls = [item for item in done if item["type"] == "custom_tool_call"]
     assert calls and calls[0]["name"] == "shell" and isinstance(calls[0]["input"], str) and calls[0]["call_id"]
     assert not [item for item in done if item["type"] == "function_call"]
-    if calls[0]["status"] == "completed":
-        assert re.fullmatch("[a-z ]+", calls[0]["input"]), calls[0]  # its grammar held
+    # Its grammar held, to its end or as far as max_output_tokens let it go.
+    assert re.fullmatch("[a-z ]+" if calls[0]["status"] == "completed" else "[a-z ]*", calls[0]["input"]), calls[0]
 
 
 # Codex CLI's apply_patch tool (codex-rs/core: tool_apply_patch.lark), and the same language as a
