@@ -8,7 +8,8 @@ import logging
 import signal
 import sys
 import typing
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
 
 from pydantic import ValidationError
 
@@ -23,30 +24,74 @@ logger = logging.getLogger("fastrun_cpp")
 LIMIT_PREFIX = "limit__"
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
+@dataclass(frozen=True)
+class SettingFlag:
+    """One setting as `serve` takes it: a flag, and the environment variable it overrides."""
+
+    flag: str
+    dest: str
+    env: str
+    kind: Literal["switch", "list", "value"]
+    description: str
+    default: Any  # None: unset (the model's own default, or nothing), as the description says
+
+
+def settings_flags(names: Sequence[str] | None = None) -> list[SettingFlag]:
     """One flag per setting (`--ctx-size` for FASTRUN_CTX_SIZE, `--limit-messages` for
-    FASTRUN_LIMITS__MESSAGES); given flags override env vars."""
+    FASTRUN_LIMITS__MESSAGES): what argparse is given, and what docs/flags.md lists."""
+    flags = []
     for name, field in Settings.model_fields.items():
         if names is not None and name not in names:
             continue
         if name == "limits":
-            for limit, limit_field in Limits.model_fields.items():
-                parser.add_argument(f"--limit-{limit.replace('_', '-')}", dest=f"{LIMIT_PREFIX}{limit}",
-                                    default=argparse.SUPPRESS, metavar="N",
-                                    help=f"{limit_field.description} [default: {limit_field.default}] "
-                                         f"[env FASTRUN_LIMITS__{limit.upper()}]".replace("%", "%%"))
+            flags += [SettingFlag(f"--limit-{limit.replace('_', '-')}", f"{LIMIT_PREFIX}{limit}",
+                                  f"FASTRUN_LIMITS__{limit.upper()}", "value", limit_field.description,
+                                  limit_field.default)
+                      for limit, limit_field in Limits.model_fields.items()]
             continue
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description} [env FASTRUN_{name.upper()}]".replace("%", "%%")
-        if field.annotation in (bool, bool | None):
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+        kind = ("switch" if field.annotation in (bool, bool | None)
+                else "list" if typing.get_origin(field.annotation) is list else "value")
+        # A default computed on this machine is shown as the settings describe it.
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        default = extra.get("shown_default", field.get_default(call_default_factory=True))
+        flags.append(SettingFlag("--" + name.replace("_", "-"), name, f"FASTRUN_{name.upper()}", kind,
+                                 field.description or "", default))
+    return flags
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
+    """The settings' flags; given flags override env vars."""
+    for setting in settings_flags(names):
+        default = f" [default: {setting.default}]" if setting.dest.startswith(LIMIT_PREFIX) else ""
+        help_text = f"{setting.description}{default} [env {setting.env}]".replace("%", "%%")
+        if setting.kind == "switch":
+            parser.add_argument(setting.flag, dest=setting.dest, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
-        elif typing.get_origin(field.annotation) is list:
-            parser.add_argument(flag, dest=name, nargs="*", default=argparse.SUPPRESS,
-                                metavar=name.upper(), help=help_text)
+        elif setting.kind == "list":
+            parser.add_argument(setting.flag, dest=setting.dest, nargs="*", default=argparse.SUPPRESS,
+                                metavar=setting.dest.upper(), help=help_text)
         else:
-            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
+            parser.add_argument(setting.flag, dest=setting.dest, default=argparse.SUPPRESS,
+                                metavar="N" if setting.dest.startswith(LIMIT_PREFIX) else setting.dest.upper(),
                                 help=help_text)
+
+
+def flags_markdown() -> str:
+    """docs/flags.md: every `serve` flag, from the settings' own descriptions
+    (`fastrun-cpp flags > docs/flags.md`; tests/test_cli.py fails when it is stale)."""
+    lines = ["# `fastrun-cpp serve` flags", "",
+             "Every flag, the environment variable it overrides, and its default. Generated from the "
+             "settings' own descriptions (`fastrun_cpp/settings.py`, `fastrun_cpp/limits.py`) by "
+             "`fastrun-cpp flags > docs/flags.md`; a test fails when this page is stale.", "",
+             "| flag | environment | default | what it does |", "|---|---|---|---|"]
+    for setting in settings_flags():
+        description, default = setting.description, setting.default
+        if (marker := description.rfind(" [default: ")) >= 0 and description.endswith("]"):
+            description, default = description[:marker], description[marker + len(" [default: "):-1]
+        flag = f"`{setting.flag}` / `--no-{setting.flag[2:]}`" if setting.kind == "switch" else f"`{setting.flag}`"
+        shown = "" if default is None or default == "" else f"`{default}`"
+        lines.append(f"| {flag} | `{setting.env}` | {shown} | {description.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines) + "\n"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the fastrun API")
     _add_settings_flags(serve)
+
+    commands.add_parser("flags", help="the serve flags as a Markdown table (docs/flags.md)")
 
     pull = commands.add_parser("pull", help="download a GGUF from the Hugging Face Hub into the HF cache")
     pull.add_argument("repo", help="owner/name")
@@ -277,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return keys(args.pop("keys_command"), args)
         if command == "pull":
             return pull(args["repo"], args["file"], args["revision"])
+        if command == "flags":
+            print(flags_markdown(), end="")
+            return 0
     except ValidationError as exc:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])

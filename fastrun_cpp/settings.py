@@ -88,6 +88,7 @@ class Settings(BaseSettings):
     prompt_cache_dir: Path = Field(
         default_factory=lambda: _data_home() / "fastrun-cpp" / "prompt-cache",
         description="Directory of the disk prompt cache (shared safely by several servers).",
+        json_schema_extra={"shown_default": "$XDG_DATA_HOME/fastrun-cpp/prompt-cache"},
     )
     swa_full: bool | None = _model_field("swa_full")
     rope_scaling: Literal["auto", "gguf", "yarn", "linear"] | None = _model_field("rope_scaling")
@@ -105,7 +106,8 @@ class Settings(BaseSettings):
         "(unset: the rest of the context, as OpenAI's; Codex CLI sends none). A registry sets it per model "
         "(defaults.max_tokens).",
     )
-    threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.")
+    threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.",
+                         json_schema_extra={"shown_default": "the physical cores"})
     backend: Literal["local", "ray"] = Field(
         "local", description="Where the engines run: in this process, or as a Ray Serve deployment of "
         "--replicas replicas (pip install 'fastrun-cpp[ray]').",
@@ -131,6 +133,7 @@ class Settings(BaseSettings):
     keys_db: Path = Field(
         default_factory=lambda: _data_home() / "fastrun-cpp" / "keys.sqlite3",
         description="SQLite database of API keys (see `fastrun-cpp keys`).",
+        json_schema_extra={"shown_default": "$XDG_DATA_HOME/fastrun-cpp/keys.sqlite3"},
     )
     responses_db: Path | None = Field(
         None, description="SQLite database of stored Responses API responses; unset: beside --keys-db."

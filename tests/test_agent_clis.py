@@ -5,7 +5,7 @@ same slot, in another slot (from the host tier) and after a restart (from the di
 
 The CLIs send their own requests: a ~12k-token prompt with a dozen tools for Claude Code, the
 Responses API with namespace and hosted tools, `store: false` and `prompt_cache_key` for Codex.
-The only settings are the README's: where the server is, the key, the model, and (for a 32k
+The only settings are docs/coding-agents.md's: where the server is, the key, the model, and (for a 32k
 context) Claude Code's output and context caps, Codex's model catalog, and the server's cap on
 answers that name none.
 
@@ -32,7 +32,7 @@ from tests.test_keys import create_key, keys_cli
 
 AGENTS = Path(sys.prefix) / "agents" / "node_modules" / ".bin"
 CLAUDE, CODEX = AGENTS / "claude", AGENTS / "codex"
-# The README's setup for agents on a small model: a 32k context, and answers capped where the
+# docs/coding-agents.md's setup for agents on a small model: a 32k context, and answers capped where the
 # client names no cap (Codex never does; Claude Code's is CLAUDE_CODE_MAX_OUTPUT_TOKENS); and
 # answers that end (see above).
 REGISTRY = f"""
@@ -108,7 +108,7 @@ class ClaudeCode:
             "HOME": str(self.home), "CLAUDE_CONFIG_DIR": str(self.home / ".claude"),
             "ANTHROPIC_BASE_URL": self.server.root_url, "ANTHROPIC_API_KEY": self.key,
             "ANTHROPIC_MODEL": DEFAULT_MODEL,
-            # The README's settings for a small context window.
+            # docs/coding-agents.md's settings for a small context window.
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1000", "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "32768",
             "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
         }

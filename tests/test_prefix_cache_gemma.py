@@ -4,7 +4,7 @@ such a prefix must fall back to a miss, never read missing cells.
 With the full sliding-window KV (the default) a hit answers exactly like a cold run. With
 --no-swa-full the window's KV is a ring buffer: which cell holds which position depends on the
 slot's history, and attention sums over cells in cell order, so hits and cold runs round
-differently (README, Determinism); there the tests check the cache's decisions only."""
+differently (docs/caching-and-determinism.md); there the tests check the cache's decisions only."""
 
 from __future__ import annotations
 

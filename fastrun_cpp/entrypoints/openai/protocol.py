@@ -197,7 +197,7 @@ class ChatCompletionRequest(SamplingFields):
     priority: Annotated[int, Field(ge=-1_000_000, le=1_000_000)] | None = None
     # OpenAI's cache hint: requests with the same key go to the replica that served the last one.
     prompt_cache_key: str | None = None
-    # Accepted and ignored (README: OpenAI parameters).
+    # Accepted and ignored (docs/chat-and-completions.md: the OpenAI parameters).
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
