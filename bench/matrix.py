@@ -1,6 +1,7 @@
 """The speed matrix: fastrun-cpp against llama.cpp's llama-server, cell by cell, in one run.
 
     .venv/bin/python bench/matrix.py [--rounds 2] [--models smollm2,gemma] [--cells prefill,decode,...]
+                                     [--base-ref REV [--no-llama-server]]
 
 llama-server comes from `bench/build_llama_server.sh` (the llama.cpp that llama-cpp-python
 vendors, built as users build it: llama.cpp's default options, llamafile's tinyBLAS on). Both
@@ -27,6 +28,9 @@ tokens/s pooled over the repeats).
 Models: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, and `tiny` (fastrun_cpp/tiny_model.py: 2 layers,
 64 wide, random weights, SmolLM2's tokenizer; prefill and decode cells only), whose cells measure
 each server's own per-token overhead rather than the model.
+
+With --base-ref, fastrun-cpp at commit REV (a git worktree) runs beside this commit, both ways,
+and a second table per model gives this commit against it: the before and after of a change.
 
 Where the time goes, per cell: fastrun-cpp's share inside llama_decode, its host work (batch,
 sampling, grammars, detokenizing) per generated token, and grammar CPU per token, from /metrics;
@@ -163,6 +167,14 @@ def breakdown(name: str, prefill: bool, before: dict | None, after: dict | None,
     return f"eval {predicted:.2f} ms/token"
 
 
+def compared(cell: str, ours: list[float], theirs: list[float]) -> str:
+    """Two medians and their ratio (> 1: the first ahead), as table cells."""
+    mine, other = statistics.median(ours), statistics.median(theirs)
+    if cell in LOWER_IS_BETTER:
+        return f"{mine:.2f} s | {other:.2f} s | **{other / mine if mine else 0.0:.2f}x**"
+    return f"{mine:.1f} | {other:.1f} | **{mine / other if other else 0.0:.2f}x**"
+
+
 def tiny_model(like: Path) -> Path:
     from fastrun_cpp.tiny_model import write_tiny_model
 
@@ -171,9 +183,9 @@ def tiny_model(like: Path) -> Path:
 
 
 def groups_for(server: str, groups: list[str]) -> list[str]:
-    """Prefill for the two default servers only (speculation plays no part in a first token);
-    every other group for all four."""
-    if server in ("fastrun-cpp", "llama-server"):
+    """Prefill for the default servers only (speculation plays no part in a first token);
+    every other group for all of them."""
+    if server in ("fastrun-cpp", "llama-server") or (server.startswith("fastrun-cpp@")):
         return groups
     return [group for group in groups if group != "prefill"]
 
@@ -190,8 +202,22 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--fastrun-args", default="", help="more fastrun-cpp flags, e.g. '--spec-draft-max 16'")
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "matrix.json")
+    parser.add_argument("--base-ref", help="fastrun-cpp at this commit too, side by side with this one")
+    parser.add_argument("--no-llama-server", action="store_true", help="with --base-ref: leave llama-server out")
     args = parser.parse_args()
-    if not LLAMA_SERVER.exists():
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.base_ref:
+            subprocess.run(["git", "worktree", "add", "--detach", scratch, args.base_ref], check=True,
+                           capture_output=True, cwd=ROOT)
+        try:
+            return run_matrix(args, Path(scratch) if args.base_ref else None)
+        finally:
+            if args.base_ref:
+                subprocess.run(["git", "worktree", "remove", "--force", scratch], capture_output=True, cwd=ROOT)
+
+
+def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
+    if not LLAMA_SERVER.exists() and not args.no_llama_server:
         print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
         return 1
     paths = structured.model_paths()
@@ -217,6 +243,20 @@ def main() -> int:
                                              extra_args=("--spec-type", "ngram-mod", *more),
                                              label="llama-server-ngram-mod"),
     }
+    if args.no_llama_server:
+        servers = {name: spec for name, spec in servers.items() if not name.startswith("llama-server")}
+    checkouts: dict[str, Path | None] = dict.fromkeys(servers)
+    base_pairs: dict[str, tuple[str, str]] = {}
+    if base_checkout is not None:
+        ref = args.base_ref
+        for name in ("fastrun-cpp", "fastrun-cpp no-spec"):
+            spec = servers[name]
+            based = name.replace("fastrun-cpp", f"fastrun-cpp@{ref}", 1)
+            servers[based] = ServerSpec("fastrun-cpp", slots, CTX, args.threads, extra_args=spec.extra_args,
+                                        label=f"{spec.title}-base")
+            checkouts[based] = base_checkout
+        base_pairs = {side: (ours, ours.replace("fastrun-cpp", f"fastrun-cpp@{ref}", 1))
+                      for side, (ours, _) in PAIRS.items()}
     results: dict[str, dict[str, dict[str, list[float]]]] = {}  # model -> cell -> server -> figures
     notes: dict[str, dict[str, dict[str, str]]] = {}
     for round_index in range(args.rounds):
@@ -227,7 +267,7 @@ def main() -> int:
                           if not (model == "tiny" or model.startswith("random")) or group in RANDOM_GROUPS]
                 if not wanted:
                     continue
-                with running(servers[name], paths[model], env=env) as server:
+                with running(servers[name], paths[model], env=env, cwd=checkouts.get(name)) as server:
                     base = server.base_url
                     asyncio.run(run_cell(base, "decode", "decode c=1"))  # warm-up
                     for group in wanted:
@@ -252,25 +292,27 @@ def main() -> int:
           "--spec-type ngram-mod). Prefill: both defaults\n")
     for model, cells in results.items():
         print(f"### {model}\n")
-        print("| cell | speculation | fastrun-cpp | llama-server | ratio | fastrun-cpp time | llama-server time |")
-        print("|---|---|---|---|---|---|---|")
+        if not args.no_llama_server:
+            print("| cell | speculation | fastrun-cpp | llama-server | ratio | fastrun-cpp time | llama-server time |")
+            print("|---|---|---|---|---|---|---|")
         for cell, by_server in cells.items():
             pairs = {"none (defaults)": ("fastrun-cpp", "llama-server")} if cell in PREFILL else PAIRS
             for side, (our_name, base_name) in pairs.items():
-                if our_name not in by_server or base_name not in by_server:
-                    continue
-                ours_figure = statistics.median(by_server[our_name])
-                theirs = statistics.median(by_server[base_name])
-                if cell in LOWER_IS_BETTER:
-                    ratio = theirs / ours_figure if ours_figure else 0.0
-                    shown = f"{ours_figure:.2f} s | {theirs:.2f} s"
-                else:
-                    ratio = ours_figure / theirs if theirs else 0.0
-                    shown = f"{ours_figure:.1f} | {theirs:.1f}"
-                where = notes[model][cell]
-                print(f"| {cell} | {side} | {shown} | **{ratio:.2f}x** | {where.get(our_name, '')} | "
-                      f"{where.get(base_name, '')} |")
+                if our_name in by_server and base_name in by_server:
+                    where = notes[model][cell]
+                    print(f"| {cell} | {side} | {compared(cell, by_server[our_name], by_server[base_name])} | "
+                          f"{where.get(our_name, '')} | {where.get(base_name, '')} |")
         print()
+        if base_pairs:
+            print(f"#### {model}: this commit ({commit}) against {args.base_ref}\n")
+            print(f"| cell | speculation | {commit} | {args.base_ref} | ratio |")
+            print("|---|---|---|---|---|")
+            for cell, by_server in cells.items():
+                pairs = {"on (defaults)": base_pairs["speculation"]} if cell in PREFILL else base_pairs
+                for side, (our_name, base_name) in pairs.items():
+                    if our_name in by_server and base_name in by_server:
+                        print(f"| {cell} | {side} | {compared(cell, by_server[our_name], by_server[base_name])} |")
+            print()
     args.json.parent.mkdir(exist_ok=True)
     args.json.write_text(json.dumps({"results": results, "notes": notes, "commit": commit}, indent=1))
     return 0
