@@ -63,7 +63,8 @@ def longest_gap(base: str, inputs: list[str]) -> tuple[float, float] | None:
 
     worker = threading.Thread(target=embed_both)
     try:
-        with httpx.Client(timeout=3600) as client:
+        # A connection per stream: llama-server may close a kept-alive connection as it is reused.
+        with httpx.Client(timeout=3600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
             while not done.is_set():
                 with client.stream("POST", f"{base}/completions", json={
                         "model": MODEL_ID, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 3000,

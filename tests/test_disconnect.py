@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from tests.server import DEFAULT_MODEL, run_server, wait_until
+from tests.test_observability import metric
 
 # The default model keeps counting for as long as it is allowed to: a long generation.
 COUNTING = {"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000, "temperature": 0}
@@ -33,6 +34,23 @@ def test_stream_disconnect_frees_the_slot(one_slot_server):
         assert answer["usage"]["completion_tokens"] == 4
 
 
+def test_an_abandoned_answer_counts_the_tokens_it_generated(one_slot_server):
+    # fastrun_engine_generated_tokens counts the engines' work, the choices nobody read to the end too.
+    server = one_slot_server
+
+    def generated() -> float:
+        text = httpx.get(f"{server.root_url}/metrics", timeout=30).text
+        return metric(text, "fastrun_engine_generated_tokens_total", model=DEFAULT_MODEL)
+
+    before = generated()
+    with httpx.stream("POST", f"{server.base_url}/completions", json={**COUNTING, "stream": True},
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line in (next(lines) for _ in range(20)) if line.startswith("data: {")]
+    assert wait_until(lambda: server.busy_slots() == 0, timeout=60)
+    assert received and generated() - before >= len(received)
+
+
 def test_non_streamed_disconnect_frees_the_slot(one_slot_server):
     server = one_slot_server
     with pytest.raises(httpx.ReadTimeout):
@@ -53,7 +71,7 @@ def test_queued_request_waits_for_the_slot_and_is_served(one_slot_server):
             # It left the queue while the first answer still holds the slot.
             assert wait_until(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] == 0, timeout=60)
             assert server.health()["models"][DEFAULT_MODEL]["busy_slots"] == 1
-            line = next(lines)
+            line = next(line for line in lines if line)  # the first answer still streams
             assert line.startswith("data: {") and '"finish_reason":null' in line.replace(" ", "")
         assert wait_until(lambda: server.health()["models"][DEFAULT_MODEL]["waiting"] == 0
                           and server.busy_slots() == 0, timeout=5)

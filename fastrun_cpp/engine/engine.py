@@ -696,7 +696,6 @@ class Engine:
         return output
 
     def _answer_finished(self, slot: Slot) -> None:
-        self.stats.generated_tokens += slot.choice.n_generated
         self._throughput.answer(slot.choice.n_generated)
         self._release(slot)
 
@@ -757,6 +756,10 @@ class Engine:
         return outputs
 
     def _release(self, slot: Slot) -> None:
+        """End the slot's choice, whatever ended it (its end, an abort or a stop, a grammar, a
+        failure): the tokens it generated are counted here, once."""
+        if slot.choice is not None:
+            self.stats.generated_tokens += slot.choice.n_generated
         slot.release(self._clock)
 
     def _fail_slots(self, slots: list[Slot], message: str) -> list[GenerationOutput]:
