@@ -185,7 +185,7 @@ def tiny_model(like: Path) -> Path:
 def groups_for(server: str, groups: list[str]) -> list[str]:
     """Prefill for the default servers only (speculation plays no part in a first token);
     every other group for all of them."""
-    if server in ("fastrun-cpp", "llama-server") or (server.startswith("fastrun-cpp@")):
+    if server in ("fastrun-cpp", "llama-server") or (server.startswith("fastrun-cpp@") and "no-spec" not in server):
         return groups
     return [group for group in groups if group != "prefill"]
 

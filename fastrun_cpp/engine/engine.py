@@ -593,9 +593,9 @@ class Engine:
             self._mask_seconds = self._masks_ahead.finish()
         if status != 0:
             return self._decode_failed(status, [slot for slot in self._slots if slot.seq_id in rows])
-        for slot in self._slots:
-            if slot.seq_id in rows and rows[slot.seq_id].chunk_start is not None and slot.choice is not None:
-                self._score_prompt_chunk(slot, rows[slot.seq_id])
+        for seq, slot_rows in rows.items():
+            if slot_rows.chunk_start is not None:
+                self._score_prompt_chunk(self._slots[seq], slot_rows)
         outputs = [self._sample(slot, rows[slot.seq_id]) for slot in plan.decoding]
         for slot in finishing_prefill:
             # What the followers copy is read before the leader samples: an answer that ends
