@@ -17,6 +17,9 @@ from tests.server import DEFAULT_MODEL, run_server, wait_until
 from tests.test_prefix_cache import document
 
 pytest.importorskip("ray.serve", reason="the Ray backend needs `pip install 'fastrun-cpp[ray]'`")
+# A Ray cluster and its replicas take minutes to start on a loaded machine (the limit counts a
+# test's fixtures too): the limit is a guard against a hang, not a speed bound.
+pytestmark = pytest.mark.timeout(1200)
 
 CRASH_SEED = 424242  # --debug-faults replica-exit: the replica given this seed dies first
 QUEUED_CRASH_SEED = 434343  # replica-exit-queued: dies after accepting it, before its first token
@@ -53,7 +56,7 @@ def chat(server, system: str, question: str, **extra) -> httpx.Response:
     return httpx.post(f"{server.base_url}/chat/completions", json={
         "model": DEFAULT_MODEL, "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], **extra},
-        timeout=180)
+        timeout=900)  # a hang guard: on a loaded machine a first long prompt takes minutes
 
 
 def test_each_prefix_stays_on_one_replica_and_both_are_used(ray_server):
