@@ -1,7 +1,7 @@
 """Embeddings beside generation: how long a list of inputs takes, and how long a running stream
 waits between two tokens while a long input and that list are embedded.
 
-    python bench/embeddings.py [--inputs 256] [--base-ref REV]
+    python bench/embeddings.py [--inputs 256] [--beside-inputs N] [--base-ref REV]
 
 Side by side in one run: this commit, llama-server (bench/build_llama_server.sh: llama.cpp's
 default build) with `--embeddings --pooling mean`, and with --base-ref a checkout of REV.
@@ -88,36 +88,40 @@ def longest_gap(base: str, inputs: list[str]) -> tuple[float, float] | None:
     return max(gaps), embedding_seconds[0]
 
 
-def measure(spec: ServerSpec, inputs: list[str], cwd: Path | None = None) -> dict[str, object]:
+def measure(spec: ServerSpec, inputs: list[str], beside_inputs: list[str],
+            cwd: Path | None = None) -> dict[str, object]:
     with running(spec, embedded_model_path(), cwd=cwd) as server:
         embed(server.base_url, inputs[:4])  # warm: the embeddings context is made at the first request
         seconds, tokens = embed(server.base_url, inputs)
-        beside = longest_gap(server.base_url, inputs)
+        beside = longest_gap(server.base_url, beside_inputs)
         return {"seconds": seconds, "tokens": tokens, "gap": beside}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inputs", type=int, default=256, help="inputs of ~60 tokens in the list")
+    parser.add_argument("--beside-inputs", type=int, help="inputs in the list embedded beside the stream "
+                        "(default: --inputs)")
     parser.add_argument("--base-ref", help="a commit to measure side by side")
     args = parser.parse_args()
     inputs = records(args.inputs)
+    beside_inputs = records(args.beside_inputs or args.inputs)
     ours = ServerSpec("fastrun-cpp", 2, CONTEXT, 2, extra_args=("--embeddings",))
-    runs = {"fastrun-cpp (this commit)": measure(ours, inputs)}
+    runs = {"fastrun-cpp (this commit)": measure(ours, inputs, beside_inputs)}
     if LLAMA_SERVER.exists():
         runs["llama-server --embeddings"] = measure(
             ServerSpec("llama-server", 2, CONTEXT, 2, batch_size=CONTEXT,
-                       extra_args=("--embeddings", "--pooling", "mean", "-ub", str(CONTEXT))), inputs)
+                       extra_args=("--embeddings", "--pooling", "mean", "-ub", str(CONTEXT))), inputs, beside_inputs)
     if args.base_ref:
         with tempfile.TemporaryDirectory() as scratch:
             subprocess.run(["git", "worktree", "add", "--detach", scratch, args.base_ref], check=True,
                            capture_output=True)
             try:
-                runs[f"fastrun-cpp ({args.base_ref})"] = measure(ours, inputs, Path(scratch))
+                runs[f"fastrun-cpp ({args.base_ref})"] = measure(ours, inputs, beside_inputs, Path(scratch))
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", scratch], capture_output=True)
-    print(f"| server | {args.inputs} inputs alone: s (tokens/s) | a ~4k-token input and the list beside a "
-          f"stream: s | the stream's longest wait between two tokens, s |")
+    print(f"| server | {args.inputs} inputs alone: s (tokens/s) | a ~4k-token input and {len(beside_inputs)} inputs "
+          f"beside a stream: s | the stream's longest wait between two tokens, s |")
     print("|---|---|---|---|")
     for name, run in runs.items():
         beside = ("no stream beside embeddings", "") if run["gap"] is None else (

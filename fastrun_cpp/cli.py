@@ -293,10 +293,12 @@ def keys(command: str, args: dict[str, Any]) -> int:
             print(done)
         elif command == "usage":
             rows = store.usage(args.get("account"), args.get("since"))
-            print(f"{'account':20}  {'requests':>9}  {'prompt':>11}  {'cached':>11}  {'completion':>11}")
+            print(f"{'account':20}  {'requests':>9}  {'prompt':>11}  {'cached':>11}  {'completion':>11}  "
+                  f"{'batch requests':>14}  {'batch prompt':>12}  {'batch completion':>16}")
             for account, used in rows.items():
                 print(f"{account:20}  {used.requests:>9}  {used.prompt_tokens:>11}  {used.cached_tokens:>11}  "
-                      f"{used.completion_tokens:>11}")
+                      f"{used.completion_tokens:>11}  {used.batch_requests:>14}  {used.batch_prompt_tokens:>12}  "
+                      f"{used.batch_completion_tokens:>16}")
     except KeyStoreError as exc:
         print(f"fastrun-cpp: {exc}", file=sys.stderr)
         return 1

@@ -148,6 +148,19 @@ class Settings(BaseSettings):
         30 * 86400, gt=0, description="How long a stored response is kept (and can be continued), seconds."
     )
     responses_max_mib: float = Field(8, gt=0, description="Largest stored response with its conversation, MiB.")
+    batches_db: Path | None = Field(
+        None, description="SQLite database of uploaded files and batches (/v1/files, /v1/batches); unset: beside "
+        "--keys-db.")
+    files_per_account: int = Field(100, ge=0, description="Files an account may keep uploaded (/v1/files).")
+    files_per_account_mib: float = Field(1024, gt=0, description="Bytes of uploaded files per account, MiB.")
+    files_max_gib: float = Field(16, gt=0, description="Bytes of uploaded files over all accounts, GiB.")
+    batch_max_lines: int = Field(50000, ge=1, description="Lines (requests) one batch file may hold, as OpenAI's.")
+    batches_per_account: int = Field(16, ge=1, description="Batches an account may have running at once, and "
+                                     "background responses likewise.")
+    batch_lines_in_flight: int | None = Field(
+        None, ge=1, description="Batch lines sent to the engines at once, over all batches, and background "
+        "responses likewise (both run at bulk priority, behind every interactive request); unset: one per slot of "
+        "the served models.")
     keys_refresh_s: float = Field(2.0, gt=0, description="How often new and revoked keys are picked up, seconds.")
     auth: bool = Field(
         True,

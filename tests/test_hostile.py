@@ -516,7 +516,7 @@ def test_hostile_embedding_requests(hostile, name):
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/completions", "/responses", "/messages",
-                                  "/messages/count_tokens", "/embeddings"])
+                                  "/messages/count_tokens", "/embeddings", "/batches"])
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                                           None])
 def test_non_json_bodies_are_refused_without_reading_them(hostile, path, content_type):
@@ -602,3 +602,31 @@ def test_health_answers_while_a_large_answer_and_a_large_body_are_in_flight(host
     assert "context window" in assert_spec_error(results["body"])["message"]
     probe.close()
     assert slowest < budget, (slowest, idle)  # whole, the embeddings' JSON held the loop for ~1 s
+
+
+def test_hostile_files_and_batches(hostile):
+    """Uploads a web page could post (a form needs no CORS preflight), forms that are not one
+    file, and batch bodies built to hurt: each a 4xx in the spec's shape."""
+    files = f"{hostile.base_url}/files"
+    page = httpx.post(files, files={"file": ("x.jsonl", b"{}")}, data={"purpose": "batch"},
+                      headers={"Origin": "https://evil.example"}, timeout=FAST_S)
+    assert page.status_code == 403 and "cors" in assert_spec_error(page)["message"]
+    two = httpx.post(files, files=[("file", ("a.jsonl", b"{}")), ("file", ("b.jsonl", b"{}"))],
+                     data={"purpose": "batch"}, timeout=FAST_S)
+    assert_spec_error(two)
+    broken = httpx.post(files, content=b"--x\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\n{",
+                        headers={"content-type": "multipart/form-data; boundary=x"}, timeout=FAST_S)
+    assert_spec_error(broken)
+    nameless = httpx.post(files, data={"purpose": "batch"}, files={"other": ("a.jsonl", b"{}")}, timeout=FAST_S)
+    assert "file" in assert_spec_error(nameless)["message"]
+    deep = ('{"input_file_id": "file_x", "endpoint": "/v1/chat/completions", "completion_window": "24h", '
+            f'"metadata": {deep_json(900)}}}')
+    response = httpx.post(f"{hostile.base_url}/batches", content=deep, headers={"content-type": "application/json"},
+                          timeout=FAST_S)
+    assert_spec_error(response)
+    for body in ({"input_file_id": "x" * 100_000, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+                 {"input_file_id": "file_x", "endpoint": "/v1/chat/completions", "completion_window": "9" * 50 + "h"},
+                 {"input_file_id": "file_x", "endpoint": "/" * 100_000, "completion_window": "24h"}):
+        response = httpx.post(f"{hostile.base_url}/batches", json=body, timeout=FAST_S)
+        assert_spec_error(response)
+    still_answers(hostile)

@@ -62,6 +62,10 @@ _ADDED_COLUMNS = (
     ("accounts", "rpm", "INTEGER"),  # requests per minute (NULL: no limit)
     ("accounts", "tpm", "INTEGER"),  # prompt and completion tokens per minute
     ("accounts", "max_concurrent", "INTEGER"),  # requests in flight at once
+    # The part of an hour's usage that batch lines made (within the totals).
+    ("usage", "batch_requests", "INTEGER NOT NULL DEFAULT 0"),
+    ("usage", "batch_prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("usage", "batch_completion_tokens", "INTEGER NOT NULL DEFAULT 0"),
 )
 # The account columns a server reads, with what an older store without them means.
 _SERVED_COLUMNS = (("admin", 0), ("cache_group", None), ("weight", 1.0), ("min_priority", 0), ("rpm", None),
@@ -92,12 +96,14 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # Of those, what batch lines used.
+    batch_requests: int = 0
+    batch_prompt_tokens: int = 0
+    batch_completion_tokens: int = 0
 
     def add(self, other: Usage) -> None:
-        self.requests += other.requests
-        self.prompt_tokens += other.prompt_tokens
-        self.cached_tokens += other.cached_tokens
-        self.completion_tokens += other.completion_tokens
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass(frozen=True)
@@ -223,29 +229,26 @@ class KeyStore:
     def add_usage(self, counts: dict[tuple[str, int], Usage]) -> None:
         """Add usage by (account, hour: the Unix time of the hour's start)."""
         with self._write() as db:
+            columns = list(Usage.__dataclass_fields__)
             db.executemany(
-                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (account, hour) DO UPDATE SET "
-                "requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
-                "cached_tokens = cached_tokens + excluded.cached_tokens, "
-                "completion_tokens = completion_tokens + excluded.completion_tokens",
-                [(account, hour, u.requests, u.prompt_tokens, u.cached_tokens, u.completion_tokens)
-                 for (account, hour), u in counts.items()])
+                f"INSERT INTO usage (account, hour, {', '.join(columns)}) VALUES ({', '.join('?' * (len(columns) + 2))})"
+                " ON CONFLICT (account, hour) DO UPDATE SET "
+                + ", ".join(f"{column} = {column} + excluded.{column}" for column in columns),
+                [(account, hour, *(getattr(u, column) for column in columns)) for (account, hour), u in counts.items()])
 
     def usage(self, account: str | None = None, since: int | None = None) -> dict[str, Usage]:
         """Usage by account, from the hour holding `since` (Unix time) on."""
         if not self.path.exists():
             return {}
-        query = ("SELECT account, SUM(requests), SUM(prompt_tokens), SUM(cached_tokens), SUM(completion_tokens) "
+        query = (f"SELECT account, {', '.join(f'SUM({column})' for column in Usage.__dataclass_fields__)} "
                  "FROM usage WHERE hour >= ?")
         params: list = [0 if since is None else since - since % 3600]
         if account is not None:
             query += " AND account = ?"
             params.append(account)
-        with self._read() as db:
-            if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'usage'").fetchone():
-                return {}
+        with self._write() as db:  # (a store written by an older version gains the newer columns)
             rows = db.execute(query + " GROUP BY account ORDER BY account", params).fetchall()
-        return {r[0]: Usage(r[1], r[2], r[3], r[4]) for r in rows}
+        return {row[0]: Usage(*row[1:]) for row in rows}
 
     # ------------------------------------------------------------------ serving
 

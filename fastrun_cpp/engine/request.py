@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 NO_TOKEN = -1  # what a sampler picks when the grammar allows no token at all
 
 
+# The priority of batch lines and background work: behind every priority a client may ask for
+# (the API takes -1e6 to 1e6), so any interactive request goes first and may preempt them.
+BULK_PRIORITY = 1_000_001
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens. Defaults follow OpenAI's API."""

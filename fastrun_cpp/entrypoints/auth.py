@@ -97,6 +97,24 @@ class Authenticator:
             await asyncio.sleep(self.refresh_s)
             await self._load_off_loop()
 
+    def key_by_id(self, key_id: int | None) -> ActiveKey | None:
+        """The active key with this id, for work it left running (a batch); None when no key is
+        needed. Raises AuthError once the key is revoked or its account unapproved."""
+        if self.disabled:
+            return None
+        if self._error is not None or self._snapshot is None:
+            raise AuthError(503, STORE_UNAVAILABLE)
+        if self.is_open:
+            return None
+        if key_id is None:
+            raise AuthError(401, "this work was created without a key, and keys are now required")
+        for record in self._snapshot.active.values():
+            if record.key_id == key_id:
+                if not record.account_approved:
+                    raise AuthError(401, NOT_APPROVED)
+                return record
+        raise AuthError(401, "the key that created this work has been revoked")
+
     def authenticate(self, authorization: str | None, host: str | None = None) -> ActiveKey | None:
         """The key's record, None when no key is needed; raises AuthError otherwise.
 

@@ -12,7 +12,9 @@ import uuid
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fastrun_cpp.auth import ActiveKey
 from fastrun_cpp.entrypoints.auth import AuthError, Authenticator
+from fastrun_cpp.entrypoints.openai.batches.runner import BATCH_SCOPE_KEY
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.errors import APIError, error_type_for
 from fastrun_cpp.entrypoints.request_context import RequestRecord, current_record, set_current_record
@@ -22,7 +24,8 @@ access_log = logging.getLogger("fastrun_cpp.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                     "/v1/messages/count_tokens", "/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics"})
+                     "/v1/messages/count_tokens", "/v1/embeddings", "/v1/models", "/v1/files", "/v1/batches",
+                     "/health", "/ready", "/metrics"})
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -79,7 +82,8 @@ class RequestContextMiddleware:
                 self.metrics.count_account(record.account, record.prompt_tokens, record.cached_tokens,
                                            record.completion_tokens)
         if self.usage is not None and record.account is not None and record.model is not None:
-            self.usage.count(record.account, record.prompt_tokens, record.cached_tokens, record.completion_tokens)
+            self.usage.count(record.account, record.prompt_tokens, record.cached_tokens, record.completion_tokens,
+                             batch=record.bulk)
         line = {
             "request_id": record.request_id,
             "method": scope.get("method"),
@@ -100,6 +104,8 @@ class RequestContextMiddleware:
             line["spec_accepted"] = round(record.accepted_tokens / record.drafted_tokens, 3)
         if record.account is not None:
             line["account"] = record.account
+        if record.bulk:
+            line["batch"] = True
         if record.replica is not None:
             line["replica"] = record.replica
         if error_type is not None:
@@ -188,6 +194,13 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not self._keyed(path):
             await self.app(scope, receive, send)
             return
+        record = current_record()
+        if BATCH_SCOPE_KEY in scope:  # a batch line, sent by this process as the key that created the batch
+            (key,) = scope[BATCH_SCOPE_KEY]
+            if record is not None:
+                record.bulk = True
+            await self._serve(key, path, record, scope, receive, send)
+            return
         authorization = _header(scope, b"authorization")
         api_key = _header(scope, b"x-api-key")  # how Anthropic's SDKs send a key
         if authorization is None and api_key is not None:
@@ -205,12 +218,17 @@ class APIKeyMiddleware:
         if key is not None and path in ADMIN_PATHS and not key.admin:
             await APIError(403, NOT_ADMIN, "authentication_error").response(path)(scope, receive, send)
             return
+        await self._serve(key, path, record, scope, receive, send)
+
+    async def _serve(self, key: ActiveKey | None, path: str, record: RequestRecord | None, scope: Scope,
+                     receive: Receive, send: Send) -> None:
+        """Serve the request as `key`'s, within its account's limits."""
         if key is None:
             await self.app(scope, receive, send)
             return
-        record = current_record()
         if record is not None:
             record.account = key.account
+            record.key_id = key.key_id
             record.cache_namespace = key.cache_namespace
             record.weight = key.weight
             record.min_priority = key.min_priority

@@ -20,6 +20,8 @@ class RequestRecord:
     cache_namespace: str = ""  # whose cached prompts it may reuse ("": open mode, one namespace)
     weight: float = 1.0  # the account's share of the slots
     min_priority: int | None = None  # the most urgent priority the key may ask for (None: any)
+    key_id: int | None = None  # the key it came with (None: a server without keys)
+    bulk: bool = False  # a batch line: runs behind every interactive request
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

@@ -147,11 +147,15 @@ class UsageRecorder:
         self._thread = threading.Thread(target=self._run, name="fastrun-usage", daemon=True)
         self._thread.start()
 
-    def count(self, account: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None:
+    def count(self, account: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int, *,
+              batch: bool = False) -> None:
         hour = int(time.time()) // 3600 * 3600
+        used = Usage(1, prompt_tokens, cached_tokens, completion_tokens)
+        if batch:
+            used.batch_requests, used.batch_prompt_tokens, used.batch_completion_tokens = 1, prompt_tokens, \
+                completion_tokens
         with self._lock:
-            self._pending.setdefault((account, hour), Usage()).add(
-                Usage(1, prompt_tokens, cached_tokens, completion_tokens))
+            self._pending.setdefault((account, hour), Usage()).add(used)
 
     def _run(self) -> None:
         while not self._stop.wait(self._flush_s):

@@ -26,6 +26,10 @@ from fastrun_cpp.entrypoints.middleware import (
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
+from fastrun_cpp.entrypoints.openai.batches.router import router as batches_router
+from fastrun_cpp.entrypoints.openai.batches.runner import BatchRunner
+from fastrun_cpp.entrypoints.openai.batches.serving import OpenAIServingBatches
+from fastrun_cpp.entrypoints.openai.batches.store import BatchStore, FilesBudget
 from fastrun_cpp.entrypoints.openai.chat_completion.router import router as chat_router
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.completion.router import router as completion_router
@@ -33,6 +37,8 @@ from fastrun_cpp.entrypoints.openai.completion.serving import OpenAIServingCompl
 from fastrun_cpp.entrypoints.openai.embeddings.router import router as embeddings_router
 from fastrun_cpp.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from fastrun_cpp.entrypoints.openai.errors import install_error_handlers
+from fastrun_cpp.entrypoints.openai.files.router import router as files_router
+from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles
 from fastrun_cpp.entrypoints.openai.models.router import health_router
 from fastrun_cpp.entrypoints.openai.models.router import router as models_router
 from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
@@ -49,7 +55,8 @@ from fastrun_cpp.structured.builder import GrammarBuilder
 logger = logging.getLogger("fastrun_cpp")
 
 MAX_BODY_BYTES = 64 * 2**20  # the spec's request size limit
-API_ROUTERS = (chat_router, completion_router, responses_router, messages_router, embeddings_router, models_router)
+API_ROUTERS = (chat_router, completion_router, responses_router, messages_router, embeddings_router, models_router,
+               files_router, batches_router)
 
 
 async def load_model(settings: Settings, served: ServedModel) -> None:
@@ -90,6 +97,13 @@ def response_store(settings: Settings) -> ResponseStore:
         row_bytes=int(settings.responses_max_mib * 2**20), retention_s=settings.responses_retention_s))
 
 
+def batch_store(settings: Settings) -> BatchStore:
+    path = settings.batches_db or settings.keys_db.with_name(settings.keys_db.stem + ".batches.sqlite3")
+    return BatchStore(path, FilesBudget(account_files=settings.files_per_account,
+                                        account_bytes=int(settings.files_per_account_mib * 2**20),
+                                        total_bytes=int(settings.files_max_gib * 2**30)))
+
+
 def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:
     authenticator = authenticator or authenticator_for(settings)
     registry = registry_from_settings(settings)
@@ -121,9 +135,14 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
                            "every local user; create one with `fastrun-cpp keys create --account NAME`",
                            settings.keys_db)
         loading = [asyncio.create_task(load_model(settings, served)) for served in models]
+        await batch_runner.start()
+        await responses.background.start()
         try:
             yield
         finally:
+            # Lines and background responses in flight stay owed: they run again after a restart.
+            await batch_runner.stop()
+            await responses.background.stop()
             for task in loading:
                 task.cancel()
             await authenticator.stop()
@@ -147,9 +166,19 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)
     store = response_store(settings)
-    app.state.serving_responses = OpenAIServingResponses(
-        chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))))
+    bulk_in_flight = settings.batch_lines_in_flight or sum(config.slots * config.replicas for config in registry.models)
+    app.state.serving_responses = responses = OpenAIServingResponses(
+        chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))),
+        key_for=authenticator.key_by_id, usage=usage, background_in_flight=bulk_in_flight,
+        background_per_account=settings.batches_per_account)
     app.state.serving_messages = AnthropicServingMessages(chat)
+    batches = batch_store(settings)
+    batch_thread = ThreadPoolExecutor(1, thread_name_prefix="fastrun-batches")
+    app.state.serving_files = files = OpenAIServingFiles(batches, batch_thread, max_lines=settings.batch_max_lines)
+    batch_runner = BatchRunner(app, batches, batch_thread, key_for=authenticator.key_by_id,
+                               in_flight=bulk_in_flight)
+    app.state.serving_batches = OpenAIServingBatches(files, batch_runner, per_account=settings.batches_per_account,
+                                                     parse=chat.parse)
     for api in (*API_ROUTERS, health_router):
         app.include_router(api)
     if metrics is not None:

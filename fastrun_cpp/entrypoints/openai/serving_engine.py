@@ -26,6 +26,7 @@ from fastrun_cpp.engine import (
     SamplingParams,
 )
 from fastrun_cpp.engine.errors import GrammarError, RequestRejected
+from fastrun_cpp.engine.request import BULK_PRIORITY
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.body import BODY_CHECKED_APART_BYTES, BodyChecker, BodyError, decode_body
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error, validation_message
@@ -247,6 +248,8 @@ class OpenAIServing:
         if record is not None:  # a tenant reuses only its own (or its group's) cached prompts
             request.cache_namespace = record.cache_namespace
             request.account, request.weight = record.account or "", record.weight
+            if record.bulk:
+                request.priority = BULK_PRIORITY
             if record.min_priority is not None and request.priority < record.min_priority:
                 raise bad_request(f"priority {request.priority} is more urgent than this key may ask for (at most "
                                   f"{record.min_priority}: `fastrun-cpp keys priority`)")

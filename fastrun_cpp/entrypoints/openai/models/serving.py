@@ -55,6 +55,10 @@ class OpenAIServingModels:
     def __iter__(self):
         return iter(self._models.values())
 
+    def knows(self, model_id: str) -> bool:
+        """Whether the id names a served model (ready or not)."""
+        return model_id in self._models
+
     def get(self, model_id: str) -> ServedModel:
         """A model ready to serve; 404 for an unknown id, 503 while loading or after a failure."""
         model = self._models.get(model_id)

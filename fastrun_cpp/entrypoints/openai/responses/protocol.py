@@ -249,6 +249,7 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
+    background: bool = False  # answered at once (queued); run at bulk priority, then retrieved or streamed
     max_output_tokens: Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS)] | None = None
     tools: list[AnyTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | HostedToolChoice | None = None
@@ -365,7 +366,8 @@ class Response(ResponseModel):
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = None
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
+    background: bool = False
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str

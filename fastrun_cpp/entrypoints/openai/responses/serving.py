@@ -14,7 +14,8 @@ from typing import Any, AsyncIterator, Callable
 
 from sse_starlette import ServerSentEvent
 
-from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
+from fastrun_cpp.auth import ActiveKey
+from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, unix_time
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.responses.protocol import (
@@ -44,9 +45,11 @@ from fastrun_cpp.entrypoints.openai.responses.protocol import (
     ToolOutputItem,
 )
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal
-from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoredTooLarge
+from fastrun_cpp.entrypoints.openai.responses.background import BackgroundResponses, request_for_background
+from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob, ResponseStore, StoredTooLarge
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.entrypoints.tenancy import UsageRecorder
 from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
 
 logger = logging.getLogger(__name__)
@@ -262,10 +265,15 @@ def as_input_items(output: list[OutputItem]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal, *,
+                 key_for: Callable[[int | None], ActiveKey | None] = lambda key_id: None,
+                 usage: UsageRecorder | None = None, background_in_flight: int = 4,
+                 background_per_account: int = 16) -> None:
         self.chat = chat
         self.store = store
         self.seal = seal
+        self.background = BackgroundResponses(self, key_for=key_for, usage=usage, in_flight=background_in_flight,
+                                              per_account=background_per_account)
         # SQLite calls block: one thread of their own, never the event loop.
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="fastrun-responses")
 
@@ -288,12 +296,23 @@ class OpenAIServingResponses:
     # ------------------------------------------------------------------ create
 
     async def create(self, request: ResponsesRequest) -> Response | AsyncIterator[ServerSentEvent]:
-        history: list[dict[str, Any]] = []
-        if request.previous_response_id is not None:
-            stored = await self._in_store(self.store.get, _account(), request.previous_response_id)
-            if stored is None:
-                raise APIError(404, f"previous_response_id: no stored response with id {request.previous_response_id!r}")
-            history = stored.conversation
+        if request.background:
+            return await self._queue_background(request)
+        conversation, tools, chat = await self._chat_of(request)
+        result = await self.chat.chat(chat)
+        response_id = item_id("resp")
+        if isinstance(result, ChatCompletion):
+            response = await self._response(request, response_id, result, tools)
+            await self._store(request, response, conversation)
+            return response
+        return self._stream(request, response_id, result, conversation, tools)
+
+    async def _chat_of(self, request: ResponsesRequest,
+                       history: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], ToolSet,
+                                                                               ChatCompletionRequest]:
+        """The whole conversation, the tools and the chat request that answers it."""
+        if history is None:
+            history = await self._history(request)
         conversation = history + conversation_items(request, self.seal, _account() or "")
         if len(conversation) > self.chat.limits.messages:
             raise bad_request(f"the conversation has {len(conversation)} items, over {self.chat.limits.messages} "
@@ -302,14 +321,92 @@ class OpenAIServingResponses:
         if len(tools.functions) > self.chat.limits.tools:  # a namespace's functions count one by one
             raise bad_request(f"tools hold {len(tools.functions)} functions, namespaces included, over "
                               f"{self.chat.limits.tools} (limit --limit-tools)")
-        chat = chat_request(request, chat_messages(request.instructions, conversation), tools)
-        result = await self.chat.chat(chat)
-        response_id = item_id("resp")
-        if isinstance(result, ChatCompletion):
-            response = await self._response(request, response_id, result, tools)
-            await self._store(request, response, conversation)
-            return response
-        return self._stream(request, response_id, result, conversation, tools)
+        return conversation, tools, chat_request(request, chat_messages(request.instructions, conversation), tools)
+
+    async def _history(self, request: ResponsesRequest) -> list[dict[str, Any]]:
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            stored = await self._in_store(self.store.get, _account(), request.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"previous_response_id: no stored response with id {request.previous_response_id!r}")
+            history = stored.conversation
+        return history
+
+    # ------------------------------------------------------------------ background
+
+    async def _queue_background(self, request: ResponsesRequest) -> Response | AsyncIterator[ServerSentEvent]:
+        """Store the queued response with its job and answer at once (or follow it as a stream)."""
+        if not request.store:
+            raise bad_request("background: a background response is stored (store must not be false)")
+        if not self.chat.models.knows(request.model):
+            raise model_not_found(request.model)
+        history = await self._history(request)
+        await self._chat_of(request, history)  # the request's own errors are its 400 now, not a failed job later
+        account = _account()
+        if await self._in_store(self.store.background_running, account) >= self.background.per_account:
+            raise APIError(429, f"this account already has {self.background.per_account} background responses "
+                                "running, the most it may", "rate_limit_error", retry_after=30)
+        response = self._skeleton(request, item_id("resp"), unix_time())
+        response.status, response.background = "queued", True
+        record = current_record()
+        job = BackgroundJob(response.id, account or "", record.key_id if record is not None else None,
+                            request_for_background(request), history)
+        await self._in_store(self.store.put_background, account, job.key_id, response.model_dump(mode="json"),
+                             job.request, history)
+        self.background.run(job)
+        if request.stream:
+            return self.background.follow(account, response.id, -1)
+        return response
+
+    async def answer_background(self, job: BackgroundJob) -> AsyncIterator[ServerSentEvent]:
+        """The job's answer as stream events (raises APIError while it cannot start, e.g. 429)."""
+        request = ResponsesRequest.model_validate(job.request)
+        conversation, tools, chat = await self._chat_of(request, job.conversation)
+        return self._stream(request, job.response_id, await self.chat.chat(chat), conversation, tools,
+                            background=True)
+
+    async def mark_background(self, job: BackgroundJob, status: str) -> None:
+        stored = await self._in_store(self.store.get, job.account, job.response_id)
+        if stored is not None:
+            stored.response["status"] = status
+            await self._in_store(self.store.put, job.account, stored.response, stored.conversation)
+
+    async def end_background(self, job: BackgroundJob, events: list[str], *, failed: APIError | None = None,
+                             cancelled: bool = False) -> None:
+        """The job's end: its response as it ended (a completed one the stream stored itself),
+        and its events for replay."""
+        stored = await self._in_store(self.store.get, job.account, job.response_id)
+        if stored is None:  # deleted meanwhile
+            return
+        response, conversation = stored.response, stored.conversation
+        last = json.loads(events[-1]) if events else {}
+        if cancelled:
+            response.update(status="cancelled", completed_at=None)
+        elif failed is not None:
+            response.update(status="failed", error={"code": failed.error_type, "message": failed.message})
+        elif last.get("type") == "response.failed":
+            response = last["response"]
+        await self._in_store(self.store.finish_background, job.account, response, conversation, events)
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        account = _account()
+        stored = await self._in_store(self.store.get, account, response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response with id {response_id!r}")
+        if not stored.response.get("background"):
+            raise bad_request("only a background response can be cancelled")
+        if self.background.cancel(response_id):
+            await self.background.wait_cancelled(response_id)
+            stored = await self._in_store(self.store.get, account, response_id) or stored
+        return stored.response
+
+    async def follow(self, response_id: str, starting_after: int) -> AsyncIterator[ServerSentEvent]:
+        stored = await self._in_store(self.store.get, _account(), response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response with id {response_id!r}")
+        if not stored.response.get("background"):
+            raise bad_request("stream: only a background response can be streamed again")
+        return self.background.follow(_account(), response_id, starting_after)
 
     def _sealed(self, request: ResponsesRequest, reasoning: str) -> str | None:
         """The reasoning as `encrypted_content`, when the client asked for it."""
@@ -400,9 +497,11 @@ class OpenAIServingResponses:
         return self._finish(response, self._incomplete(request, choice.finish_reason, result.usage), usage)
 
     async def _stream(self, request: ResponsesRequest, response_id: str, chunks: AsyncIterator[ChatCompletionChunk],
-                      conversation: list[dict[str, Any]], tools: ToolSet) -> AsyncIterator[ServerSentEvent]:
-        events = _ResponseEvents(self._skeleton(request, response_id, unix_time()), tools,
-                                 lambda text: self._sealed(request, text))
+                      conversation: list[dict[str, Any]], tools: ToolSet, *,
+                      background: bool = False) -> AsyncIterator[ServerSentEvent]:
+        skeleton = self._skeleton(request, response_id, unix_time())
+        skeleton.background = background
+        events = _ResponseEvents(skeleton, tools, lambda text: self._sealed(request, text))
         yield events.lifecycle("response.created")
         yield events.lifecycle("response.in_progress")
         finish_reason = None

@@ -30,6 +30,18 @@ CREATE TABLE IF NOT EXISTS responses (
     size INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS responses_by_age ON responses(created_at);
+CREATE TABLE IF NOT EXISTS background (
+    id TEXT PRIMARY KEY,  -- the response's
+    account TEXT NOT NULL,
+    key_id INTEGER,  -- the key that asked: the work runs as that key (NULL: a server without keys)
+    request TEXT NOT NULL,  -- the ResponsesRequest, as validated
+    conversation TEXT NOT NULL,  -- the input items before this turn's
+    done INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS response_events (
+    response_id TEXT PRIMARY KEY,
+    events TEXT NOT NULL  -- a finished background response's stream events, a JSON list, for replay
+);
 """
 # Stores made before rows had a size, and the index over the account's rows.
 _MIGRATION = """
@@ -53,6 +65,17 @@ class StoredTooLarge(Exception):
 class StoredResponse:
     response: dict[str, Any]  # the Response object as it was returned
     conversation: list[dict[str, Any]]  # input items of every turn so far, its own output included
+
+
+@dataclass(frozen=True)
+class BackgroundJob:
+    """A background response still owed: what a restart runs again."""
+
+    response_id: str
+    account: str
+    key_id: int | None
+    request: dict[str, Any]
+    conversation: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -128,4 +151,48 @@ class ResponseStore:
         with self._lock, closing(self._connect()) as db, db:
             cursor = db.execute("DELETE FROM responses WHERE id = ? AND account = ?",
                                 (response_id, account or OPEN_ACCOUNT))
+            if cursor.rowcount:
+                db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
+                db.execute("DELETE FROM background WHERE id = ?", (response_id,))
         return cursor.rowcount > 0
+
+    # ------------------------------------------------------------------ background responses
+
+    def put_background(self, account: str | None, key_id: int | None, response: dict[str, Any],
+                       request: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """A queued background response, with what it takes to run it (again, after a restart)."""
+        self.put(account, response, conversation)
+        with self._lock, closing(self._connect()) as db, db:
+            db.execute("INSERT OR REPLACE INTO background VALUES (?, ?, ?, ?, ?, 0)",
+                       (response["id"], account or OPEN_ACCOUNT, key_id, json.dumps(request),
+                        json.dumps(conversation)))
+
+    def background_running(self, account: str | None) -> int:
+        with self._lock, closing(self._connect()) as db:
+            (count,) = db.execute("SELECT COUNT(*) FROM background WHERE account = ? AND done = 0",
+                                  (account or OPEN_ACCOUNT,)).fetchone()
+        return count
+
+    def owed_background(self) -> list[BackgroundJob]:
+        with self._lock, closing(self._connect()) as db:
+            rows = db.execute("SELECT id, account, key_id, request, conversation FROM background WHERE done = 0 "
+                              "ORDER BY rowid").fetchall()
+        return [BackgroundJob(id, account, key_id, json.loads(request), json.loads(conversation))
+                for id, account, key_id, request, conversation in rows]
+
+    def finish_background(self, account: str | None, response: dict[str, Any], conversation: list[dict[str, Any]],
+                          events: list[str]) -> None:
+        """The background response as it ended, with its events for replay, in one go."""
+        self.put(account, response, conversation)
+        with self._lock, closing(self._connect()) as db, db:
+            db.execute("UPDATE background SET done = 1, request = '{}', conversation = '[]' WHERE id = ?",
+                       (response["id"],))
+            db.execute("INSERT OR REPLACE INTO response_events VALUES (?, ?)", (response["id"], json.dumps(events)))
+
+    def events(self, account: str | None, response_id: str) -> list[str] | None:
+        """A finished background response's events (the data of each), or None."""
+        with self._lock, closing(self._connect()) as db:
+            row = db.execute("SELECT e.events FROM response_events e JOIN responses r ON r.id = e.response_id "
+                             "WHERE e.response_id = ? AND r.account = ?",
+                             (response_id, account or OPEN_ACCOUNT)).fetchone()
+        return json.loads(row[0]) if row else None

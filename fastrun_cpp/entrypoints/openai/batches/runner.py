@@ -1,0 +1,241 @@
+"""Runs the batches' lines: each one is sent through this server's own routes, in process, as the
+account's key that created the batch, at bulk priority.
+
+Going through the routes gives a line everything a request gets (validation, the body checks,
+the account's rate limits, usage, the access log) and nothing else to keep in step. Bulk priority
+puts lines behind every interactive request on the fair share: they take idle slots, and an
+interactive request preempts them (the exact resume keeps their answers the same).
+
+Lines are sent a few at a time (about one per slot), in turn over the accounts and then their
+batches, so batches keep the slots busy without filling the queue interactive requests wait in. A line that
+finds the server full (429), a model not ready (503) or its time up (504) is sent again later,
+until the batch's completion window closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from fastrun_cpp.auth import ActiveKey
+from fastrun_cpp.entrypoints.openai.batches.store import (
+    BatchStore,
+    LineOutcome,
+    OwedBatch,
+    PendingLine,
+    error_line,
+    new_id,
+)
+
+logger = logging.getLogger(__name__)
+
+BATCH_SCOPE_KEY = "fastrun.batch_key"  # set only here: no client can put a key into an ASGI scope
+RETRIED_STATUSES = frozenset({429, 503, 504})
+RETRY_S = (1.0, 30.0)  # a retried line waits Retry-After, or this, doubling to the second
+EXPIRED = {"code": "batch_expired", "message": "this line was not run within the batch's completion window"}
+
+
+@dataclass
+class _Running:
+    """A batch the runner is working on."""
+
+    owed: OwedBatch
+    next_line: int = 0  # the line after which pending lines are read
+    queued: list[PendingLine] = field(default_factory=list)
+    in_flight: dict[int, asyncio.Task] = field(default_factory=dict)  # by line
+    exhausted: bool = False  # every pending line has been read
+    ending: tuple[dict[str, Any], dict[str, Any] | None] | None = None  # cancelled or expired: (change, error)
+
+    @property
+    def batch(self) -> dict[str, Any]:
+        return self.owed.batch
+
+
+def _with_key(app: ASGIApp, key: ActiveKey | None) -> ASGIApp:
+    async def call(scope: Scope, receive: Receive, send: Send) -> None:
+        await app({**scope, BATCH_SCOPE_KEY: (key,)}, receive, send)
+
+    return call
+
+
+class BatchRunner:
+    def __init__(self, app: ASGIApp, store: BatchStore, store_thread: ThreadPoolExecutor, *,
+                 key_for: Callable[[int | None], ActiveKey | None], in_flight: int) -> None:
+        self.app = app
+        self.store = store
+        self._store_thread = store_thread
+        self._key_for = key_for  # a batch's key by id (raises AuthError once it is revoked)
+        self.in_flight = in_flight
+        self._running: dict[str, _Running] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def _in_store(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._store_thread, function, *args)
+
+    async def start(self) -> None:
+        for owed in await self._in_store(self.store.owed_batches):
+            self._running[owed.batch["id"]] = _Running(owed)
+        if self._running:
+            logger.info("resuming %d batches", len(self._running))
+        self._task = asyncio.create_task(self._run_forever(), name="fastrun-batches")
+
+    async def stop(self) -> None:
+        """Stop sending lines; those in flight are abandoned, and run again after a restart."""
+        if self._task is not None:
+            self._task.cancel()
+        tasks = [task for running in self._running.values() for task in running.in_flight.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, *(t for t in [self._task] if t is not None), return_exceptions=True)
+
+    def add(self, owed: OwedBatch) -> None:
+        self._running[owed.batch["id"]] = _Running(owed)
+        self._wake.set()
+
+    def cancel(self, batch: dict[str, Any]) -> None:
+        """The batch is now `cancelling`: stop its lines in flight; it ends `cancelled`."""
+        running = self._running.get(batch["id"])
+        if running is not None:
+            running.batch.update(status=batch["status"], cancelling_at=batch.get("cancelling_at"))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run_forever(self) -> None:
+        while True:
+            try:
+                await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a store error must not stop every batch for good
+                logger.exception("batch runner step failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)  # expiry is checked each second
+            except asyncio.TimeoutError:
+                pass
+
+    async def _tick(self) -> None:
+        now = int(time.time())
+        for running in list(self._running.values()):
+            batch = running.batch
+            if running.ending is None:
+                if batch["status"] == "cancelling":
+                    running.ending = ({"status": "cancelled", "cancelled_at": now}, None)
+                elif batch["status"] == "in_progress" and now >= batch["expires_at"]:
+                    running.ending = ({"status": "expired", "expired_at": now}, EXPIRED)
+                if running.ending is not None:
+                    for task in running.in_flight.values():
+                        task.cancel()
+            if running.in_flight:
+                continue
+            if running.ending is not None:
+                await self._finalize(running, *running.ending)
+            elif batch["status"] == "finalizing" or (running.exhausted and not running.queued):
+                batch.update(status="finalizing", finalizing_at=batch.get("finalizing_at") or now)
+                await self._in_store(self.store.update_batch, batch)
+                await self._finalize(running, {"status": "completed", "completed_at": int(time.time())}, None)
+        await self._fill()
+
+    async def _fill(self) -> None:
+        """Start lines up to the limit in flight, one batch at a time in turn."""
+        while (free := self.in_flight - sum(len(r.in_flight) for r in self._running.values())) > 0:
+            candidates = [r for r in self._running.values() if r.batch["status"] == "in_progress"
+                          and r.ending is None and (r.queued or not r.exhausted)]
+            if not candidates:
+                return
+            by_account: dict[str, int] = {}
+            for r in self._running.values():
+                by_account[r.owed.account] = by_account.get(r.owed.account, 0) + len(r.in_flight)
+            # Accounts take turns, then their batches: a second batch does not double an account's lines.
+            running = min(candidates, key=lambda r: (by_account[r.owed.account], len(r.in_flight)))
+            if not running.queued:
+                running.queued = await self._in_store(self.store.pending_lines, running.batch["id"],
+                                                      running.next_line, max(free, 16))
+                if not running.queued:
+                    running.exhausted = True
+                    self._wake.set()  # its end is decided on the next tick
+                    continue
+                running.next_line = running.queued[-1].line
+            line = running.queued.pop(0)
+            task = asyncio.create_task(self._run_line(running, line))
+            running.in_flight[line.line] = task
+
+    async def _finalize(self, running: _Running, change: dict[str, Any], unfinished: dict[str, Any] | None) -> None:
+        final = await self._in_store(self.store.finalize, running.owed.account, running.batch, change, unfinished)
+        self._running.pop(final["id"], None)
+        counts = final["request_counts"]
+        logger.info("batch %s %s: %d completed, %d failed of %d", final["id"], final["status"],
+                    counts["completed"], counts["failed"], counts["total"])
+
+    # ------------------------------------------------------------------ one line
+
+    async def _run_line(self, running: _Running, line: PendingLine) -> None:
+        try:
+            outcome = await self._outcome(running, line)
+            if outcome is not None:
+                await self._in_store(self.store.finish_line, running.batch, line.line, outcome)
+        except asyncio.CancelledError:
+            pass  # cancelled, expired or shut down: the line stays pending
+        except Exception:
+            logger.exception("batch %s line %d failed", running.batch["id"], line.line)
+        finally:
+            running.in_flight.pop(line.line, None)
+            self._wake.set()
+
+    async def _outcome(self, running: _Running, line: PendingLine) -> LineOutcome | None:
+        """The line's result, once it is not worth sending again."""
+        batch = running.batch
+        try:
+            key = self._key_for(running.owed.key_id)
+        except Exception as exc:  # the key was revoked or the account unapproved since
+            return LineOutcome(False, error_line(line.custom_id, None, {"code": "unauthorized", "message": str(exc)}))
+        wait_s = RETRY_S[0]
+        transport = httpx.ASGITransport(app=_with_key(self.app, key))
+        async with httpx.AsyncClient(transport=transport, base_url="http://batch.fastrun", timeout=None) as client:
+            while True:
+                response = await client.post(batch["endpoint"], content=line.body,
+                                             headers={"content-type": "application/json"})
+                if response.status_code not in RETRIED_STATUSES:
+                    break
+                retry_after = response.headers.get("retry-after", "")
+                delay = float(retry_after) if retry_after.isdigit() else wait_s
+                wait_s = min(RETRY_S[1], wait_s * 2)
+                if time.time() + delay >= batch["expires_at"]:
+                    break  # the answer it got is its result
+                await asyncio.sleep(delay)
+        parsed = await asyncio.to_thread(_json_or_text, response.content)  # an embeddings list can be 25 MB
+        result = {"status_code": response.status_code, "request_id": response.headers.get("x-request-id"),
+                  "body": parsed}
+        if response.status_code >= 400:
+            return LineOutcome(False, error_line(line.custom_id, result, None))
+        prompt, cached, completion = _usage(parsed)
+        return LineOutcome(True, {"id": new_id("batch_req"), "custom_id": line.custom_id, "response": result,
+                                  "error": None}, prompt, cached, completion)
+
+
+def _json_or_text(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return content.decode("utf-8", "replace")
+
+
+def _usage(body: Any) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens of a chat, completion, embeddings or Responses answer."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0, 0
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    completion = usage.get("completion_tokens", usage.get("output_tokens")) or 0
+    return int(prompt), int(details.get("cached_tokens") or 0), int(completion)

@@ -1,0 +1,402 @@
+"""Files and batches (OpenAI's /v1/files and /v1/batches), in SQLite next to the key store.
+
+One database holds the uploaded files, the batches and each batch's lines, so a line's result is
+committed with its state in one transaction: after a restart (SIGTERM or kill -9) a line is
+either done, with its result, or still to run; none is lost and none is answered twice.
+
+Every row belongs to an account: another account's id is simply not found. All calls block:
+the serving code runs them on the store's own thread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from fastrun_cpp.private import create_private
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY,
+    account TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER,
+    content BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS files_by_account ON files(account, created_at);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,
+    account TEXT NOT NULL,
+    key_id INTEGER,  -- the key that created it: its lines run as that key (NULL: a server without keys)
+    created_at INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    batch TEXT NOT NULL  -- the Batch object as the API returns it
+);
+CREATE INDEX IF NOT EXISTS batches_by_account ON batches(account, created_at);
+CREATE INDEX IF NOT EXISTS batches_by_status ON batches(status);
+CREATE TABLE IF NOT EXISTS batch_lines (
+    batch_id TEXT NOT NULL,
+    line INTEGER NOT NULL,
+    custom_id TEXT,
+    request TEXT,  -- the line's body, as uploaded; NULL once it is done
+    state TEXT NOT NULL,  -- pending, completed or failed
+    result TEXT,  -- its line of the output file (completed) or of the error file (failed)
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    cached_tokens INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (batch_id, line)
+);
+"""
+OPEN_ACCOUNT = ""  # the namespace of a server without keys
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a batch the runner still owes work
+
+
+class FileBudgetExceeded(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    id: str
+    purpose: str
+    filename: str
+    bytes: int
+    created_at: int
+    expires_at: int | None
+
+    def as_api(self) -> dict[str, Any]:
+        """OpenAI's File object."""
+        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed",
+                "expires_at": self.expires_at, "status_details": None}
+
+
+@dataclass(frozen=True)
+class FilesBudget:
+    """What one account may keep, and what all of them together may."""
+
+    account_files: int
+    account_bytes: int
+    total_bytes: int
+
+
+@dataclass
+class OwedBatch:
+    account: str
+    key_id: int | None
+    batch: dict[str, Any]
+
+
+@dataclass
+class PendingLine:
+    batch_id: str
+    line: int
+    custom_id: str
+    body: bytes  # the request body, JSON, sent as it is
+
+
+@dataclass
+class LineOutcome:
+    """A line's end: its line of the output file (completed) or of the error file (failed)."""
+
+    completed: bool
+    result: dict[str, Any]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class ParsedLine:
+    """An input line as validated: a request to run, or the error that keeps it from running."""
+
+    line: int
+    custom_id: str | None
+    request: dict[str, Any] | None
+    error: dict[str, Any] | None = None
+
+
+@dataclass
+class BatchTotals:
+    completed: int = 0
+    failed: int = 0
+    pending: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    results: list[tuple[bool, str]] = field(default_factory=list)  # (completed, result line) in line order
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _owner(account: str | None) -> str:
+    return account or OPEN_ACCOUNT
+
+
+class BatchStore:
+    def __init__(self, path: Path, budget: FilesBudget) -> None:
+        self.path = Path(path).expanduser()
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._ready = False
+
+    def _connect(self) -> sqlite3.Connection:
+        if not self._ready:
+            create_private(self.path)  # prompts and answers: the owner's only
+        connection = sqlite3.connect(self.path, timeout=30)
+        if not self._ready:
+            connection.execute("PRAGMA journal_mode=WAL")  # readers (GET) never wait for a line's commit
+            connection.executescript(_SCHEMA)
+            connection.commit()
+            self._ready = True
+        return connection
+
+    # ------------------------------------------------------------------ files
+
+    def put_file(self, account: str | None, purpose: str, filename: str, content: bytes,
+                 expires_at: int | None = None) -> StoredFile:
+        with self._lock, closing(self._connect()) as db, db:
+            return self._insert_file(db, _owner(account), purpose, filename, content, expires_at)
+
+    def _insert_file(self, db: sqlite3.Connection, owner: str, purpose: str, filename: str, content: bytes,
+                     expires_at: int | None) -> StoredFile:
+        now = int(time.time())
+        db.execute("DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at < ?", (now,))
+        if purpose == "batch":  # what a batch writes back is never refused: its lines were paid for
+            count, used = self._used(db, owner)
+            (total,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()
+            budget = self.budget
+            if count + 1 > budget.account_files:
+                raise FileBudgetExceeded(f"this account already has {count} files, the most it may keep "
+                                         "(delete some: DELETE /v1/files/{file_id})")
+            if used + len(content) > budget.account_bytes:
+                raise FileBudgetExceeded(f"this account's files would take {used + len(content)} bytes, over its "
+                                         f"{budget.account_bytes} (delete some: DELETE /v1/files/{{file_id}})")
+            if total + len(content) > budget.total_bytes:
+                raise FileBudgetExceeded("the server's file storage is full")
+        stored = StoredFile(new_id("file"), purpose, filename, len(content), now, expires_at)
+        db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                   (stored.id, owner, purpose, filename, stored.bytes, now, expires_at, content))
+        return stored
+
+    @staticmethod
+    def _used(db: sqlite3.Connection, owner: str) -> tuple[int, int]:
+        return db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM files WHERE account = ?", (owner,)).fetchone()
+
+    def files_full(self, account: str | None) -> bool:
+        """Whether the account's files (a batch's output files count) fill its budget: then it
+        starts no batch, so outputs cannot pile up past it."""
+        with self._lock, closing(self._connect()) as db:
+            count, used = self._used(db, _owner(account))
+        return count >= self.budget.account_files or used >= self.budget.account_bytes
+
+    def file(self, account: str | None, file_id: str) -> StoredFile | None:
+        with self._lock, closing(self._connect()) as db:
+            row = db.execute("SELECT id, purpose, filename, bytes, created_at, expires_at FROM files "
+                             "WHERE id = ? AND account = ?", (file_id, _owner(account))).fetchone()
+        return StoredFile(*row) if row else None
+
+    def file_content(self, account: str | None, file_id: str) -> bytes | None:
+        with self._lock, closing(self._connect()) as db:
+            row = db.execute("SELECT content FROM files WHERE id = ? AND account = ?",
+                             (file_id, _owner(account))).fetchone()
+        return bytes(row[0]) if row else None
+
+    def files(self, account: str | None, *, purpose: str | None, after: str | None, limit: int,
+              newest_first: bool) -> tuple[list[StoredFile], bool]:
+        """A page of the account's files, and whether more follow."""
+        query = "SELECT id, purpose, filename, bytes, created_at, expires_at FROM files WHERE account = ?"
+        params: list[Any] = [_owner(account)]
+        if purpose is not None:
+            query += " AND purpose = ?"
+            params.append(purpose)
+        order = "DESC" if newest_first else "ASC"
+        with self._lock, closing(self._connect()) as db:
+            if after is not None:
+                cursor = db.execute("SELECT rowid FROM files WHERE id = ? AND account = ?", (after, _owner(account)))
+                row = cursor.fetchone()
+                if row is not None:
+                    query += f" AND rowid {'<' if newest_first else '>'} ?"
+                    params.append(row[0])
+            rows = db.execute(f"{query} ORDER BY rowid {order} LIMIT ?", (*params, limit + 1)).fetchall()
+        return [StoredFile(*row) for row in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, account: str | None, file_id: str) -> bool:
+        with self._lock, closing(self._connect()) as db, db:
+            cursor = db.execute("DELETE FROM files WHERE id = ? AND account = ?", (file_id, _owner(account)))
+        return cursor.rowcount > 0
+
+    # ------------------------------------------------------------------ batches
+
+    def active_batches(self, account: str | None) -> int:
+        with self._lock, closing(self._connect()) as db:
+            (count,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE account = ? AND status IN "
+                                  f"({','.join('?' * len(ACTIVE))})", (_owner(account), *ACTIVE)).fetchone()
+        return count
+
+    def create_batch(self, account: str | None, key_id: int | None, batch: dict[str, Any],
+                     lines: list[ParsedLine]) -> None:
+        """The batch with its lines, in one transaction: a line that cannot run is failed at once
+        with its error line."""
+        with self._lock, closing(self._connect()) as db, db:
+            db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
+                       (batch["id"], _owner(account), key_id, batch["created_at"], batch["status"], json.dumps(batch)))
+            db.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, request, state, result) "
+                           "VALUES (?, ?, ?, ?, ?, ?)",
+                           ((batch["id"], parsed.line, parsed.custom_id,
+                             None if parsed.request is None else json.dumps(parsed.request),
+                             "pending" if parsed.error is None else "failed",
+                             None if parsed.error is None else json.dumps(parsed.error)) for parsed in lines))
+
+    def batch(self, account: str | None, batch_id: str) -> dict[str, Any] | None:
+        with self._lock, closing(self._connect()) as db:
+            row = db.execute("SELECT batch FROM batches WHERE id = ? AND account = ?",
+                             (batch_id, _owner(account))).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def batches(self, account: str | None, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        query, params = "SELECT batch FROM batches WHERE account = ?", [_owner(account)]
+        with self._lock, closing(self._connect()) as db:
+            if after is not None:
+                row = db.execute("SELECT rowid FROM batches WHERE id = ? AND account = ?",
+                                 (after, _owner(account))).fetchone()
+                if row is not None:
+                    query += " AND rowid < ?"
+                    params.append(row[0])
+            rows = db.execute(f"{query} ORDER BY rowid DESC LIMIT ?", (*params, limit + 1)).fetchall()
+        return [json.loads(row[0]) for row in rows[:limit]], len(rows) > limit
+
+    def update_batch(self, batch: dict[str, Any]) -> None:
+        with self._lock, closing(self._connect()) as db, db:
+            db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
+                       (batch["status"], json.dumps(batch), batch["id"]))
+
+    def set_status_if(self, account: str | None, batch_id: str, allowed: tuple[str, ...],
+                      change: dict[str, Any]) -> dict[str, Any] | None:
+        """Apply `change` to the batch if its status is one of `allowed`; the batch as it is now
+        (None: not found)."""
+        with self._lock, closing(self._connect()) as db, db:
+            row = db.execute("SELECT batch FROM batches WHERE id = ? AND account = ?",
+                             (batch_id, _owner(account))).fetchone()
+            if row is None:
+                return None
+            batch = json.loads(row[0])
+            if batch["status"] in allowed:
+                batch.update(change)
+                db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
+                           (batch["status"], json.dumps(batch), batch_id))
+            return batch
+
+    def owed_batches(self) -> list[OwedBatch]:
+        """Every batch with work left, oldest first: what a restart resumes."""
+        with self._lock, closing(self._connect()) as db:
+            rows = db.execute(f"SELECT account, key_id, batch FROM batches WHERE status IN "
+                              f"({','.join('?' * len(ACTIVE))}) ORDER BY rowid", ACTIVE).fetchall()
+        return [OwedBatch(account, key_id, json.loads(batch)) for account, key_id, batch in rows]
+
+    def pending_lines(self, batch_id: str, after: int, limit: int) -> list[PendingLine]:
+        with self._lock, closing(self._connect()) as db:
+            rows = db.execute("SELECT line, custom_id, request FROM batch_lines WHERE batch_id = ? AND "
+                              "state = 'pending' AND line > ? ORDER BY line LIMIT ?",
+                              (batch_id, after, limit)).fetchall()
+        return [PendingLine(batch_id, line, custom_id, request.encode()) for line, custom_id, request in rows]
+
+    def finish_line(self, batch: dict[str, Any], line: int, outcome: LineOutcome) -> None:
+        """Commit a line's result with its state, and the batch's counts with them. A line done
+        already (a second answer after a restart raced it) keeps its first result."""
+        with self._lock, closing(self._connect()) as db, db:
+            cursor = db.execute(
+                "UPDATE batch_lines SET state = ?, result = ?, request = NULL, prompt_tokens = ?, "
+                "cached_tokens = ?, completion_tokens = ? WHERE batch_id = ? AND line = ? AND state = 'pending'",
+                ("completed" if outcome.completed else "failed", json.dumps(outcome.result), outcome.prompt_tokens,
+                 outcome.cached_tokens, outcome.completion_tokens, batch["id"], line))
+            if cursor.rowcount:
+                counts = batch["request_counts"]
+                counts["completed" if outcome.completed else "failed"] += 1
+                db.execute("UPDATE batches SET batch = json_set(batch, '$.request_counts', json(?)) WHERE id = ?",
+                           (json.dumps(counts), batch["id"]))
+
+    def totals(self, batch_id: str) -> BatchTotals:
+        with self._lock, closing(self._connect()) as db:
+            return self._totals(db, batch_id)
+
+    @staticmethod
+    def _totals(db: sqlite3.Connection, batch_id: str) -> BatchTotals:
+        totals = BatchTotals()
+        for state, result, prompt, cached, completion in db.execute(
+                "SELECT state, result, prompt_tokens, cached_tokens, completion_tokens FROM batch_lines "
+                "WHERE batch_id = ? ORDER BY line", (batch_id,)):
+            if state == "pending":
+                totals.pending += 1
+                continue
+            completed = state == "completed"
+            totals.completed += completed
+            totals.failed += not completed
+            totals.prompt_tokens += prompt
+            totals.cached_tokens += cached
+            totals.completion_tokens += completion
+            totals.results.append((completed, result))
+        return totals
+
+    def finalize(self, account: str, batch: dict[str, Any], change: dict[str, Any],
+                 unfinished: dict[str, Any] | None) -> dict[str, Any]:
+        """Write the output and error files from the lines' results and end the batch with
+        `change`, in one transaction. Lines still pending get `unfinished` as their error (an
+        expired batch's), or are left out (a cancelled one's)."""
+        with self._lock, closing(self._connect()) as db, db:
+            if unfinished is not None:
+                pending = db.execute("SELECT line, custom_id FROM batch_lines WHERE batch_id = ? AND "
+                                     "state = 'pending'", (batch["id"],)).fetchall()
+                db.executemany("UPDATE batch_lines SET state = 'failed', request = NULL, result = ? "
+                               "WHERE batch_id = ? AND line = ?",
+                               ((json.dumps(error_line(custom_id, None, unfinished)), batch["id"], line)
+                                for line, custom_id in pending))
+            totals = self._totals(db, batch["id"])
+            outputs = "".join(line + "\n" for completed, line in totals.results if completed).encode()
+            errors = "".join(line + "\n" for completed, line in totals.results if not completed).encode()
+            name = batch["id"]
+            if outputs:
+                batch["output_file_id"] = self._insert_file(db, account, "batch_output", f"{name}_output.jsonl",
+                                                            outputs, None).id
+            if errors:
+                batch["error_file_id"] = self._insert_file(db, account, "batch_output", f"{name}_error.jsonl",
+                                                           errors, None).id
+            batch["request_counts"] = {"total": batch["request_counts"]["total"], "completed": totals.completed,
+                                       "failed": totals.failed}
+            batch["usage"] = usage(totals)
+            batch.update(change)
+            db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
+                       (batch["status"], json.dumps(batch), batch["id"]))
+            db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch["id"],))
+        return batch
+
+
+def usage(totals: BatchTotals) -> dict[str, Any]:
+    """A batch's usage, in OpenAI's BatchUsage shape."""
+    return {"input_tokens": totals.prompt_tokens, "input_tokens_details": {"cached_tokens": totals.cached_tokens},
+            "output_tokens": totals.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": totals.prompt_tokens + totals.completion_tokens}
+
+
+def error_line(custom_id: str | None, response: dict[str, Any] | None, error: dict[str, Any] | None) -> dict[str, Any]:
+    """A line of a batch's error file, as OpenAI writes it."""
+    return {"id": new_id("batch_req"), "custom_id": custom_id, "response": response, "error": error}
+
+
+def lines_of(content: bytes) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, line) of a JSONL file's non-blank lines."""
+    for number, line in enumerate(content.split(b"\n"), start=1):
+        if line.strip():
+            yield number, line

@@ -1,0 +1,1 @@
+"""OpenAI's Files API, for batch input and output files."""

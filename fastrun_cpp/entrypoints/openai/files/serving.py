@@ -1,0 +1,110 @@
+"""The Files API over the batch store: uploads bounded in size and lines, per account."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+
+from fastrun_cpp.entrypoints.openai.batches.store import BatchStore, FileBudgetExceeded, StoredFile, lines_of
+from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
+from fastrun_cpp.entrypoints.request_context import current_record
+
+UPLOAD_PURPOSES = ("batch",)
+MAX_FILENAME = 256
+
+
+def account() -> str | None:
+    record = current_record()
+    return record.account if record is not None else None
+
+
+def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+class OpenAIServingFiles:
+    def __init__(self, store: BatchStore, store_thread: ThreadPoolExecutor, *, max_lines: int) -> None:
+        self.store = store
+        self._store_thread = store_thread
+        self.max_lines = max_lines
+
+    async def in_store(self, function, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._store_thread,
+                                                                lambda: function(*args, **kwargs))
+
+    async def upload(self, raw: Request) -> dict[str, Any]:
+        origin = raw.headers.get("origin")
+        if origin is not None and origin not in raw.app.state.settings.cors_origins:
+            # A web page may post a form to a loopback server with no CORS preflight: only the
+            # origins allowed (--cors-origins) may upload from a browser.
+            raise APIError(403, f"uploads from the web page {origin[:100]!r} are not allowed (--cors-origins)",
+                           "authentication_error")
+        content_type = raw.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != "multipart/form-data":
+            raise APIError(415, "upload a file as multipart/form-data, with fields `file` and `purpose`")
+        try:
+            form = await raw.form(max_files=1, max_fields=8)
+        except Exception as exc:  # python-multipart's parse errors, Starlette's form limits
+            if getattr(exc, "status_code", None) == 413:
+                raise
+            raise bad_request(f"the form could not be read: {exc}") from None
+        purpose, upload = form.get("purpose"), form.get("file")
+        if not isinstance(purpose, str) or purpose not in UPLOAD_PURPOSES:
+            raise bad_request(f"purpose: {purpose!r} is not served here; files are for batches (purpose 'batch')")
+        if not isinstance(upload, UploadFile):
+            raise bad_request("file: missing; send the JSONL as the form's `file` part")
+        content = await upload.read()
+        await asyncio.to_thread(self._check_batch_file, content)
+        filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME]
+        try:
+            stored = await self.in_store(self.store.put_file, account(), purpose, filename, content)
+        except FileBudgetExceeded as exc:
+            raise APIError(429, str(exc), "rate_limit_error") from None
+        finally:
+            await upload.close()
+        return stored.as_api()
+
+    def _check_batch_file(self, content: bytes) -> None:
+        """A batch file is UTF-8 JSONL of at most max_lines requests; a line that is not a request
+        is reported in the batch's error file, not here."""
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise bad_request(f"file: not UTF-8 text (byte {exc.start})") from None
+        count = 0
+        for count, _ in enumerate(lines_of(content), start=1):
+            if count > self.max_lines:
+                raise bad_request(f"file: more than {self.max_lines} lines; a batch file holds at most "
+                                  f"{self.max_lines} requests (split it into several batches)")
+        if count == 0:
+            raise bad_request("file: empty; a batch file holds one JSON request per line")
+
+    async def stored(self, file_id: str) -> StoredFile:
+        stored = await self.in_store(self.store.file, account(), file_id)
+        if stored is None:
+            raise APIError(404, f"no file with id {file_id!r}")
+        return stored
+
+    async def retrieve(self, file_id: str) -> dict[str, Any]:
+        return (await self.stored(file_id)).as_api()
+
+    async def content(self, file_id: str) -> bytes:
+        content = await self.in_store(self.store.file_content, account(), file_id)
+        if content is None:
+            raise APIError(404, f"no file with id {file_id!r}")
+        return content
+
+    async def list(self, *, purpose: str | None, after: str | None, limit: int, order: str) -> dict[str, Any]:
+        files, has_more = await self.in_store(self.store.files, account(), purpose=purpose, after=after, limit=limit,
+                                              newest_first=order == "desc")
+        return _page([stored.as_api() for stored in files], has_more)
+
+    async def delete(self, file_id: str) -> dict[str, Any]:
+        if not await self.in_store(self.store.delete_file, account(), file_id):
+            raise APIError(404, f"no file with id {file_id!r}")
+        return {"id": file_id, "object": "file", "deleted": True}

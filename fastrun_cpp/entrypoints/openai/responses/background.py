@@ -1,0 +1,171 @@
+"""Background responses (`background: true`): answered at once with a queued response, run at
+bulk priority behind every interactive request, followed or replayed as a stream
+(`GET /v1/responses/{id}?stream=true&starting_after=N`), cancelled, and run again after a
+restart (the job is stored with the response; a run cut by a restart starts over, and at
+temperature 0 or with a seed it gives the same answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from sse_starlette import ServerSentEvent
+
+from fastrun_cpp.auth import ActiveKey
+from fastrun_cpp.entrypoints.openai.errors import APIError
+from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob
+from fastrun_cpp.entrypoints.request_context import RequestRecord, set_current_record
+from fastrun_cpp.entrypoints.tenancy import UsageRecorder
+
+if TYPE_CHECKING:
+    from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+logger = logging.getLogger(__name__)
+
+RETRIED_STATUSES = frozenset({429, 503})  # the server full, or the model not loaded yet: try later
+RETRY_S = (1.0, 30.0)
+LIFECYCLE = frozenset({"response.created", "response.in_progress"})  # sent before the engine answers
+
+
+@dataclass
+class _Running:
+    job: BackgroundJob
+    task: asyncio.Task | None = None
+    events: list[str] = field(default_factory=list)  # the data of each event so far
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on each event and at the end
+    done: bool = False
+    status: str = "queued"
+
+
+class BackgroundResponses:
+    def __init__(self, serving: OpenAIServingResponses, *, key_for: Callable[[int | None], ActiveKey | None],
+                 usage: UsageRecorder | None, in_flight: int, per_account: int) -> None:
+        self.serving = serving
+        self._key_for = key_for
+        self._usage = usage
+        self._turns = asyncio.Semaphore(in_flight)  # jobs in the engine at once: the queue stays for interactive work
+        self.per_account = per_account
+        self._running: dict[str, _Running] = {}
+
+    async def start(self) -> None:
+        owed = await self.serving._in_store(self.serving.store.owed_background)
+        for job in owed:
+            self.run(job)
+        if owed:
+            logger.info("running %d background responses again", len(owed))
+
+    async def stop(self) -> None:
+        tasks = [running.task for running in self._running.values() if running.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def run(self, job: BackgroundJob) -> None:
+        running = _Running(job)
+        self._running[job.response_id] = running
+        running.task = asyncio.create_task(self._run(running), name=f"fastrun-background-{job.response_id}")
+
+    def is_running(self, response_id: str) -> bool:
+        running = self._running.get(response_id)
+        return running is not None and not running.done
+
+    # ------------------------------------------------------------------ a job
+
+    async def _run(self, running: _Running) -> None:
+        job = running.job
+        try:
+            key = self._key_for(job.key_id)
+        except Exception as exc:  # the key was revoked since (or the account unapproved)
+            await self.serving.end_background(job, [], failed=APIError(401, str(exc), "authentication_error"))
+            running.done = True
+            running.changed.set()
+            return
+        record = RequestRecord(request_id=job.response_id, account=key.account if key else None,
+                               key_id=job.key_id, bulk=True)
+        if key is not None:
+            record.cache_namespace, record.weight, record.min_priority = key.cache_namespace, key.weight, \
+                key.min_priority
+        set_current_record(record)  # this task's own context: the engine reads the account from it
+        wait_s = RETRY_S[0]
+        try:
+            async with self._turns:
+                while True:
+                    try:
+                        events = await self.serving.answer_background(job)
+                        break
+                    except APIError as exc:
+                        if exc.status_code not in RETRIED_STATUSES:
+                            await self.serving.end_background(job, running.events, failed=exc)
+                            return
+                        await asyncio.sleep(exc.retry_after or wait_s)
+                        wait_s = min(RETRY_S[1], wait_s * 2)
+                async for event in events:
+                    if running.status == "queued" and event.event not in LIFECYCLE:
+                        # The answer's first item: the engine has given it a slot and is answering.
+                        running.status = "in_progress"
+                        await self.serving.mark_background(job, "in_progress")
+                    running.events.append(event.data)
+                    running.changed.set()
+                await self.serving.end_background(job, running.events)
+        except asyncio.CancelledError:
+            if running.status != "cancelled":
+                raise  # the server stops: the job stays owed, and runs again after the restart
+            await asyncio.shield(self.serving.end_background(job, running.events, cancelled=True))
+        finally:
+            record.close_streams()
+            if self._usage is not None and record.account is not None and record.model is not None:
+                self._usage.count(record.account, record.prompt_tokens, record.cached_tokens,
+                                  record.completion_tokens, batch=True)
+            running.done = True
+            running.changed.set()
+            self._running.pop(job.response_id, None)
+
+    def cancel(self, response_id: str) -> bool:
+        """Stop a running job (it ends `cancelled`); False if none runs."""
+        running = self._running.get(response_id)
+        if running is None or running.done or running.task is None:
+            return False
+        running.status = "cancelled"
+        running.task.cancel()
+        return True
+
+    async def wait_cancelled(self, response_id: str) -> None:
+        running = self._running.get(response_id)
+        if running is not None and running.task is not None:
+            await asyncio.wait([running.task])
+
+    # ------------------------------------------------------------------ following
+
+    async def follow(self, account: str | None, response_id: str, after: int) -> AsyncIterator[ServerSentEvent]:
+        """The response's events after sequence number `after`: the stored ones of a finished
+        job, or the live job's so far, then each as it comes."""
+        sent = after + 1
+        running = self._running.get(response_id)
+        if running is None:
+            stored = await self.serving._in_store(self.serving.store.events, account, response_id) or []
+            for data in stored[sent:]:
+                yield _event(data)
+            return
+        while True:
+            running.changed.clear()
+            while sent < len(running.events):
+                yield _event(running.events[sent])
+                sent += 1
+            if running.done:
+                return
+            await running.changed.wait()
+
+
+def _event(data: str) -> ServerSentEvent:
+    return ServerSentEvent(data=data, event=json.loads(data)["type"])
+
+
+def request_for_background(request: Any) -> dict[str, Any]:
+    """The request as it is stored to be run again: validated fields only, answered as a stream
+    (its events are what followers read)."""
+    body = request.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    body.update(background=False, stream=True)
+    return body

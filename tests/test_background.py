@@ -1,0 +1,123 @@
+"""Background responses (`background: true`) with the OpenAI SDK against the real server:
+queued at once, run behind interactive work, retrieved, streamed again from any event,
+cancelled, and finished after a kill -9."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server import DEFAULT_MODEL, run_server, wait_until
+from tests.test_batches import busy_slots  # noqa: F401 (a fixture)
+
+QUESTION = "Name three rivers."
+
+
+def settled(client: openai.OpenAI, response_id: str, timeout: float = 600):
+    response = None
+
+    def done() -> bool:
+        nonlocal response
+        response = client.responses.retrieve(response_id)
+        return response.status not in ("queued", "in_progress")
+
+    assert wait_until(done, timeout), response
+    return response
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("background")
+    with run_server("--slots", "2", "--ctx-size", "1024", log_dir=directory) as server:
+        yield server
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def test_a_background_response_is_queued_then_answered_as_a_direct_one(client):
+    queued = client.responses.create(model=DEFAULT_MODEL, input=QUESTION, background=True, max_output_tokens=24,
+                                     temperature=0, metadata={"job": "rivers"})
+    assert queued.status in ("queued", "in_progress") and queued.background and queued.output == []
+    response = settled(client, queued.id)
+    assert response.status == "incomplete" or response.status == "completed", response
+    assert response.background and response.metadata == {"job": "rivers"}
+    direct = client.responses.create(model=DEFAULT_MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    assert response.output_text == direct.output_text and response.output_text
+    assert response.usage.output_tokens == direct.usage.output_tokens
+    # Its events, replayed from any point: numbered on from there, the text whole at the end.
+    events = list(client.responses.retrieve(queued.id, stream=True, starting_after=-1))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{response.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    later = list(client.responses.retrieve(queued.id, stream=True, starting_after=3))
+    assert [event.sequence_number for event in later] == list(range(4, len(events)))
+    # It continues like any stored response.
+    follow_up = client.responses.create(model=DEFAULT_MODEL, previous_response_id=queued.id, input="And one more?",
+                                        max_output_tokens=8, temperature=0)
+    assert follow_up.status in ("completed", "incomplete")
+
+
+def test_a_stream_left_early_is_picked_up_where_it_was_left(client):
+    stream = client.responses.create(model=DEFAULT_MODEL, input="Count from one to fifty in words.", background=True,
+                                     stream=True, max_output_tokens=64, temperature=0)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if len(seen) == 5:
+            break
+    stream.close()  # the client leaves: the work goes on
+    response_id = seen[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
+    events = seen + rest
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == settled(client, response_id).output_text and text
+
+
+def test_a_queued_background_response_is_cancelled(client, server, busy_slots):  # noqa: F811
+    queued = client.responses.create(model=DEFAULT_MODEL, input=QUESTION, background=True, max_output_tokens=16)
+    assert client.responses.retrieve(queued.id).status == "queued"  # behind the interactive streams
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"  # again: as it is
+    events = list(client.responses.retrieve(queued.id, stream=True))
+    assert all(event.type != "response.completed" for event in events)
+
+
+def test_background_requests_that_cannot_be_served_get_4xx(client):
+    with pytest.raises(openai.BadRequestError, match="store"):
+        client.responses.create(model=DEFAULT_MODEL, input=QUESTION, background=True, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no/such-model", input=QUESTION, background=True)
+    with pytest.raises(openai.BadRequestError):  # its own errors come now, not as a failed job
+        client.responses.create(model=DEFAULT_MODEL, input=QUESTION, background=True, temperature=9)
+    plain = client.responses.create(model=DEFAULT_MODEL, input=QUESTION, max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(plain.id)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        list(client.responses.retrieve(plain.id, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nope")
+
+
+def test_a_background_response_finishes_after_kill_9(tmp_path):
+    env = {"FASTRUN_KEYS_DB": str(tmp_path / "keys.sqlite3"), "FASTRUN_PROMPT_CACHE_DIR": str(tmp_path / "cache")}
+    arguments = ("--slots", "2", "--ctx-size", "1024")
+    request = dict(model=DEFAULT_MODEL, input="Count from one to two hundred, in words.", max_output_tokens=160,
+                   temperature=0)
+    with run_server(*arguments, log_dir=tmp_path, env=env) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        queued = client.responses.create(background=True, **request)
+        assert wait_until(lambda: client.responses.retrieve(queued.id).status == "in_progress", 300)
+        server.process.kill()
+        server.process.wait()
+    with run_server(*arguments, log_dir=tmp_path, env=env) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        response = settled(client, queued.id)
+        assert response.status in ("completed", "incomplete"), response
+        assert response.output_text == client.responses.create(**request).output_text
