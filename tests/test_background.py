@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.server import DEFAULT_MODEL, run_server, wait_until
-from tests.test_batches import busy_slots  # noqa: F401 (a fixture)
+from tests.test_batches import busy_slots, client, server  # noqa: F401 (fixtures: a server of this module's own)
 
 QUESTION = "Name three rivers."
 
@@ -23,18 +23,6 @@ def settled(client: openai.OpenAI, response_id: str, timeout: float = 600):
 
     assert wait_until(done, timeout), response
     return response
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("background")
-    with run_server("--slots", "2", "--ctx-size", "1024", log_dir=directory) as server:
-        yield server
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
 
 
 def test_a_background_response_is_queued_then_answered_as_a_direct_one(client):
