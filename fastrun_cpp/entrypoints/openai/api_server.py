@@ -47,6 +47,7 @@ from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingRespon
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal, load_secret
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoreBudget
 from fastrun_cpp.entrypoints.openai.body import BodyChecker
+from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.registry import registry_from_settings
 from fastrun_cpp.runtime import load_local_runtime
 from fastrun_cpp.settings import Settings
@@ -173,7 +174,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
         background_per_account=settings.batches_per_account)
     app.state.serving_messages = AnthropicServingMessages(chat)
     batches = batch_store(settings)
-    batch_thread = ThreadPoolExecutor(1, thread_name_prefix="fastrun-batches")
+    batch_thread = StoreThread("fastrun-batches")
     app.state.serving_files = files = OpenAIServingFiles(batches, batch_thread, max_lines=settings.batch_max_lines)
     batch_runner = BatchRunner(app, batches, batch_thread, key_for=authenticator.key_by_id,
                                in_flight=bulk_in_flight)

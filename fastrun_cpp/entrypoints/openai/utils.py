@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
 
 from fastapi.responses import JSONResponse
@@ -13,6 +15,18 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 T = TypeVar("T")
+
+
+class StoreThread:
+    """The thread a store's SQLite calls run on: they block, so never on the event loop, and
+    one thread keeps a store's writes in the order they were made."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    async def run(self, function, /, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(function, *args, **kwargs))
 
 
 class ClientDisconnected(Exception):

@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +33,7 @@ from fastrun_cpp.entrypoints.openai.batches.store import (
     error_line,
     new_id,
 )
+from fastrun_cpp.entrypoints.openai.utils import StoreThread
 
 logger = logging.getLogger(__name__)
 
@@ -67,19 +67,16 @@ def _with_key(app: ASGIApp, key: ActiveKey | None) -> ASGIApp:
 
 
 class BatchRunner:
-    def __init__(self, app: ASGIApp, store: BatchStore, store_thread: ThreadPoolExecutor, *,
+    def __init__(self, app: ASGIApp, store: BatchStore, store_thread: StoreThread, *,
                  key_for: Callable[[int | None], ActiveKey | None], in_flight: int) -> None:
         self.app = app
         self.store = store
-        self._store_thread = store_thread
+        self._in_store = store_thread.run
         self._key_for = key_for  # a batch's key by id (raises AuthError once it is revoked)
         self.in_flight = in_flight
         self._running: dict[str, _Running] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-
-    async def _in_store(self, function, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._store_thread, function, *args)
 
     async def start(self) -> None:
         for owed in await self._in_store(self.store.owed_batches):
@@ -181,18 +178,24 @@ class BatchRunner:
 
     async def _run_line(self, running: _Running, line: PendingLine) -> None:
         try:
-            outcome = await self._outcome(running, line)
-            if outcome is not None:
-                await self._in_store(self.store.finish_line, running.batch, line.line, outcome)
+            try:
+                outcome = await self._outcome(running, line)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # behind the read position: a line left pending would be skipped
+                logger.exception("batch %s line %d failed", running.batch["id"], line.line)
+                outcome = LineOutcome(False, error_line(line.custom_id, None, {
+                    "code": "server_error", "message": f"the line could not be run ({type(exc).__name__})"}))
+            await self._in_store(self.store.finish_line, running.batch, line.line, outcome)
         except asyncio.CancelledError:
             pass  # cancelled, expired or shut down: the line stays pending
-        except Exception:
-            logger.exception("batch %s line %d failed", running.batch["id"], line.line)
+        except Exception:  # the store failed: the line stays pending, and runs again after a restart
+            logger.exception("batch %s line %d: its result could not be stored", running.batch["id"], line.line)
         finally:
             running.in_flight.pop(line.line, None)
             self._wake.set()
 
-    async def _outcome(self, running: _Running, line: PendingLine) -> LineOutcome | None:
+    async def _outcome(self, running: _Running, line: PendingLine) -> LineOutcome:
         """The line's result, once it is not worth sending again."""
         batch = running.batch
         try:

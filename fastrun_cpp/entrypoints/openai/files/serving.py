@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.datastructures import UploadFile
@@ -11,6 +10,7 @@ from starlette.requests import Request
 
 from fastrun_cpp.entrypoints.openai.batches.store import BatchStore, FileBudgetExceeded, StoredFile, lines_of
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
+from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.entrypoints.request_context import current_record
 
 UPLOAD_PURPOSES = ("batch",)
@@ -28,14 +28,10 @@ def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 class OpenAIServingFiles:
-    def __init__(self, store: BatchStore, store_thread: ThreadPoolExecutor, *, max_lines: int) -> None:
+    def __init__(self, store: BatchStore, store_thread: StoreThread, *, max_lines: int) -> None:
         self.store = store
-        self._store_thread = store_thread
+        self.in_store = store_thread.run
         self.max_lines = max_lines
-
-    async def in_store(self, function, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self._store_thread,
-                                                                lambda: function(*args, **kwargs))
 
     async def upload(self, raw: Request) -> dict[str, Any]:
         origin = raw.headers.get("origin")

@@ -51,7 +51,7 @@ class BackgroundResponses:
         self._running: dict[str, _Running] = {}
 
     async def start(self) -> None:
-        owed = await self.serving._in_store(self.serving.store.owed_background)
+        owed = await self.serving.in_store(self.serving.store.owed_background)
         for job in owed:
             self.run(job)
         if owed:
@@ -145,7 +145,7 @@ class BackgroundResponses:
         sent = after + 1
         running = self._running.get(response_id)
         if running is None:
-            stored = await self.serving._in_store(self.serving.store.events, account, response_id) or []
+            stored = await self.serving.in_store(self.serving.store.events, account, response_id) or []
             for data in stored[sent:]:
                 yield _event(data)
             return

@@ -4,12 +4,10 @@ prefix cache and limits), with stored responses for `previous_response_id`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 from sse_starlette import ServerSentEvent
@@ -48,6 +46,7 @@ from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal
 from fastrun_cpp.entrypoints.openai.responses.background import BackgroundResponses, request_for_background
 from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob, ResponseStore, StoredTooLarge
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.entrypoints.request_context import current_record
 from fastrun_cpp.entrypoints.tenancy import UsageRecorder
 from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
@@ -274,22 +273,18 @@ class OpenAIServingResponses:
         self.seal = seal
         self.background = BackgroundResponses(self, key_for=key_for, usage=usage, in_flight=background_in_flight,
                                               per_account=background_per_account)
-        # SQLite calls block: one thread of their own, never the event loop.
-        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="fastrun-responses")
-
-    async def _in_store(self, function, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._store_thread, function, *args)
+        self.in_store = StoreThread("fastrun-responses").run
 
     # ------------------------------------------------------------------ stored responses
 
     async def retrieve(self, response_id: str) -> dict[str, Any]:
-        stored = await self._in_store(self.store.get, _account(), response_id)
+        stored = await self.in_store(self.store.get, _account(), response_id)
         if stored is None:
             raise APIError(404, f"no stored response with id {response_id!r}")
         return stored.response
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        if not await self._in_store(self.store.delete, _account(), response_id):
+        if not await self.in_store(self.store.delete, _account(), response_id):
             raise APIError(404, f"no stored response with id {response_id!r}")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -326,7 +321,7 @@ class OpenAIServingResponses:
     async def _history(self, request: ResponsesRequest) -> list[dict[str, Any]]:
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            stored = await self._in_store(self.store.get, _account(), request.previous_response_id)
+            stored = await self.in_store(self.store.get, _account(), request.previous_response_id)
             if stored is None:
                 raise APIError(404, f"previous_response_id: no stored response with id {request.previous_response_id!r}")
             history = stored.conversation
@@ -343,7 +338,7 @@ class OpenAIServingResponses:
         history = await self._history(request)
         await self._chat_of(request, history)  # the request's own errors are its 400 now, not a failed job later
         account = _account()
-        if await self._in_store(self.store.background_running, account) >= self.background.per_account:
+        if await self.in_store(self.store.background_running, account) >= self.background.per_account:
             raise APIError(429, f"this account already has {self.background.per_account} background responses "
                                 "running, the most it may", "rate_limit_error", retry_after=30)
         response = self._skeleton(request, item_id("resp"), unix_time())
@@ -351,7 +346,7 @@ class OpenAIServingResponses:
         record = current_record()
         job = BackgroundJob(response.id, account or "", record.key_id if record is not None else None,
                             request_for_background(request), history)
-        await self._in_store(self.store.put_background, account, job.key_id, response.model_dump(mode="json"),
+        await self.in_store(self.store.put_background, account, job.key_id, response.model_dump(mode="json"),
                              job.request, history)
         self.background.run(job)
         if request.stream:
@@ -366,16 +361,16 @@ class OpenAIServingResponses:
                             background=True)
 
     async def mark_background(self, job: BackgroundJob, status: str) -> None:
-        stored = await self._in_store(self.store.get, job.account, job.response_id)
+        stored = await self.in_store(self.store.get, job.account, job.response_id)
         if stored is not None:
             stored.response["status"] = status
-            await self._in_store(self.store.put, job.account, stored.response, stored.conversation)
+            await self.in_store(self.store.put, job.account, stored.response, stored.conversation)
 
     async def end_background(self, job: BackgroundJob, events: list[str], *, failed: APIError | None = None,
                              cancelled: bool = False) -> None:
         """The job's end: its response as it ended (a completed one the stream stored itself),
         and its events for replay."""
-        stored = await self._in_store(self.store.get, job.account, job.response_id)
+        stored = await self.in_store(self.store.get, job.account, job.response_id)
         if stored is None:  # deleted meanwhile
             return
         response, conversation = stored.response, stored.conversation
@@ -386,22 +381,22 @@ class OpenAIServingResponses:
             response.update(status="failed", error={"code": failed.error_type, "message": failed.message})
         elif last.get("type") == "response.failed":
             response = last["response"]
-        await self._in_store(self.store.finish_background, job.account, response, conversation, events)
+        await self.in_store(self.store.finish_background, job.account, response, conversation, events)
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         account = _account()
-        stored = await self._in_store(self.store.get, account, response_id)
+        stored = await self.in_store(self.store.get, account, response_id)
         if stored is None:
             raise APIError(404, f"no stored response with id {response_id!r}")
         if not stored.response.get("background"):
             raise bad_request("only a background response can be cancelled")
         if self.background.cancel(response_id):
             await self.background.wait_cancelled(response_id)
-            stored = await self._in_store(self.store.get, account, response_id) or stored
+            stored = await self.in_store(self.store.get, account, response_id) or stored
         return stored.response
 
     async def follow(self, response_id: str, starting_after: int) -> AsyncIterator[ServerSentEvent]:
-        stored = await self._in_store(self.store.get, _account(), response_id)
+        stored = await self.in_store(self.store.get, _account(), response_id)
         if stored is None:
             raise APIError(404, f"no stored response with id {response_id!r}")
         if not stored.response.get("background"):
@@ -418,7 +413,7 @@ class OpenAIServingResponses:
         if not request.store:
             return
         try:
-            await self._in_store(self.store.put, _account(), response.model_dump(mode="json"),
+            await self.in_store(self.store.put, _account(), response.model_dump(mode="json"),
                                  conversation + as_input_items(response.output))
         except StoredTooLarge as exc:
             logger.warning("response %s not stored: %s", response.id, exc)

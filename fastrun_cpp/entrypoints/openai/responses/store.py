@@ -118,6 +118,11 @@ class ResponseStore:
     def put(self, account: str | None, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Store a response; the oldest rows of its account past the account's budget go, then
         the oldest of all past the server's."""
+        with self._lock, closing(self._connect()) as db, db:
+            self._put(db, account, response, conversation)
+
+    def _put(self, db: sqlite3.Connection, account: str | None, response: dict[str, Any],
+             conversation: list[dict[str, Any]]) -> None:
         budget = self.budget
         response_text = json.dumps(response, separators=(",", ":"))
         conversation_text = json.dumps(conversation, separators=(",", ":"))
@@ -128,15 +133,14 @@ class ResponseStore:
                                  "hold")
         now = int(time.time())
         owner = account or OPEN_ACCOUNT
-        with self._lock, closing(self._connect()) as db, db:
-            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                       (response["id"], owner, now, response_text, conversation_text, size))
-            db.execute("DELETE FROM responses WHERE created_at < ?", (now - budget.retention_s,))
-            mine = "WHERE account = ?"
-            db.execute(_PAST_COUNT.format(where=mine), (owner, budget.account_items))
-            db.execute(_PAST_BYTES.format(where=mine), (owner, budget.account_bytes))
-            db.execute(_PAST_COUNT.format(where=""), (budget.items,))
-            db.execute(_PAST_BYTES.format(where=""), (budget.bytes,))
+        db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                   (response["id"], owner, now, response_text, conversation_text, size))
+        db.execute("DELETE FROM responses WHERE created_at < ?", (now - budget.retention_s,))
+        mine = "WHERE account = ?"
+        db.execute(_PAST_COUNT.format(where=mine), (owner, budget.account_items))
+        db.execute(_PAST_BYTES.format(where=mine), (owner, budget.account_bytes))
+        db.execute(_PAST_COUNT.format(where=""), (budget.items,))
+        db.execute(_PAST_BYTES.format(where=""), (budget.bytes,))
 
     def get(self, account: str | None, response_id: str) -> StoredResponse | None:
         with self._lock, closing(self._connect()) as db:
@@ -161,8 +165,8 @@ class ResponseStore:
     def put_background(self, account: str | None, key_id: int | None, response: dict[str, Any],
                        request: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """A queued background response, with what it takes to run it (again, after a restart)."""
-        self.put(account, response, conversation)
         with self._lock, closing(self._connect()) as db, db:
+            self._put(db, account, response, conversation)
             db.execute("INSERT OR REPLACE INTO background VALUES (?, ?, ?, ?, ?, 0)",
                        (response["id"], account or OPEN_ACCOUNT, key_id, json.dumps(request),
                         json.dumps(conversation)))
@@ -183,8 +187,8 @@ class ResponseStore:
     def finish_background(self, account: str | None, response: dict[str, Any], conversation: list[dict[str, Any]],
                           events: list[str]) -> None:
         """The background response as it ended, with its events for replay, in one go."""
-        self.put(account, response, conversation)
         with self._lock, closing(self._connect()) as db, db:
+            self._put(db, account, response, conversation)
             db.execute("UPDATE background SET done = 1, request = '{}', conversation = '[]' WHERE id = ?",
                        (response["id"],))
             db.execute("INSERT OR REPLACE INTO response_events VALUES (?, ?)", (response["id"], json.dumps(events)))
