@@ -122,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     approve.add_argument("account")
     unapprove = key_commands.add_parser("unapprove", help="refuse an account's keys")
     unapprove.add_argument("account")
-    admin = key_commands.add_parser("admin", help="let an account's keys read /metrics (it shows every account's use)")
+    admin = key_commands.add_parser("admin", help="let an account's keys read /metrics (it shows every account's use) "
+                                      "and load, unload and pull models")
     admin.add_argument("account")
     admin.add_argument("--off", action="store_true", help="take the right away again")
     share = key_commands.add_parser(

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
-from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.utils import tqdm as hub_tqdm
 from huggingface_hub.errors import (
     EntryNotFoundError,
@@ -37,6 +38,35 @@ class HubError(Exception):
     """A model could not be fetched: the message says why, for people."""
 
 
+class PullStopped(HubError):
+    """A download stopped on purpose: too large, more bytes than the file has, or cancelled."""
+
+
+# (file, bytes so far, bytes in all if known): called as a download goes.
+Progress = Callable[[str, int, int | None], None]
+
+
+def _watched(filename: str, progress: Progress | None, max_bytes: int | None, stop: Callable[[], bool] | None):
+    """huggingface-hub's progress bar, reporting each step to `progress` and stopping a download
+    past `max_bytes`, past the size the Hub gave for it, or when `stop()` says so."""
+
+    class Watched(_Progress):
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            done, total = int(self.n), int(self.total) if self.total else None
+            if progress is not None:
+                progress(filename, done, total)
+            if max_bytes is not None and done > max_bytes:
+                raise PullStopped(f"{filename} is over the {max_bytes // 2**20} MiB a pull may fetch (--pull-max-gib)")
+            if total is not None and done > total:
+                raise PullStopped(f"the Hub sent more of {filename} than its {total} bytes")
+            if stop is not None and stop():
+                raise PullStopped(f"the pull of {filename} was cancelled")
+            return shown
+
+    return Watched
+
+
 def shard_names(filename: str) -> list[str]:
     """All parts of a sharded GGUF (`x-00001-of-00003.gguf`), or just `filename`."""
     match = _SHARD.match(filename)
@@ -58,14 +88,32 @@ def choose_gguf(files: list[str], repo: str) -> str:
     raise HubError(f"{repo} has several GGUF files; name one ({listing})")
 
 
-def pull(repo: str, filename: str | None = None, *, revision: str | None = None) -> Path:
+def pull(repo: str, filename: str | None = None, *, revision: str | None = None, progress: Progress | None = None,
+         max_bytes: int | None = None, stop: Callable[[], bool] | None = None) -> Path:
     """Download (or find in the cache) a GGUF and return its local path; all shards of a
-    sharded model are fetched and the first one returned (llama.cpp reads the rest)."""
+    sharded model are fetched and the first one returned (llama.cpp reads the rest).
+
+    With `max_bytes`, a model larger than that (all shards) is refused before any download,
+    and a download that runs past it (a server sending more than it said) is stopped."""
     try:
         if filename is None:
             filename = choose_gguf(HfApi().list_repo_files(repo, revision=revision), repo)
-        paths = [Path(hf_hub_download(repo, name, revision=revision, tqdm_class=_Progress))
-                 for name in shard_names(filename)]
+        names = shard_names(filename)
+        if max_bytes is not None:
+            uncached = [name for name in names if not isinstance(try_to_load_from_cache(repo, name, revision=revision),
+                                                                   str)]
+            sizes = [get_hf_file_metadata(hf_hub_url(repo, name, revision=revision)).size or 0 for name in uncached]
+            if sum(sizes) > max_bytes:
+                raise PullStopped(f"{repo}/{filename} is {sum(sizes) // 2**20} MiB, over the {max_bytes // 2**20} MiB "
+                                  "a pull may fetch (--pull-max-gib)")
+        paths = []
+        for name in names:
+            try:
+                paths.append(Path(hf_hub_download(repo, name, revision=revision,
+                                                  tqdm_class=_watched(name, progress, max_bytes, stop))))
+            except PullStopped:
+                _drop_incomplete(repo)  # what an endless or oversized download wrote, not kept to resume
+                raise
     except GatedRepoError as exc:
         raise HubError(f"{repo} is gated: accept its terms on the Hub and set HF_TOKEN") from exc
     except RepositoryNotFoundError as exc:
@@ -82,3 +130,60 @@ def pull(repo: str, filename: str | None = None, *, revision: str | None = None)
     except HfHubHTTPError as exc:
         raise HubError(f"the Hub refused {repo}/{filename}: {exc}") from exc
     return paths[0]
+
+
+def _repo_cache(repo: str) -> Path:
+    return Path(constants.HF_HUB_CACHE) / ("models--" + repo.replace("/", "--"))
+
+
+def _drop_incomplete(repo: str) -> None:
+    for partial in (_repo_cache(repo) / "blobs").glob("*.incomplete"):
+        partial.unlink(missing_ok=True)
+
+
+def cached_gguf(repo: str, filename: str | None = None) -> str | None:
+    """The GGUF of `repo` the local Hub cache holds (its name; every shard present), or None;
+    without `filename`, the repository's one GGUF. Never touches the network."""
+    if filename is None:
+        snapshot = _main_snapshot(repo)
+        if snapshot is None:
+            return None
+        try:
+            filename = choose_gguf([path.name for path in snapshot.iterdir()], repo)
+        except HubError:
+            return None
+    if all(isinstance(try_to_load_from_cache(repo, name), str) for name in shard_names(filename)):
+        return filename
+    return None
+
+
+def _main_snapshot(repo: str) -> Path | None:
+    cache = _repo_cache(repo)
+    try:
+        commit = (cache / "refs" / "main").read_text(encoding="ascii").strip()
+    except OSError:
+        return None
+    snapshot = cache / "snapshots" / commit
+    return snapshot if re.fullmatch(r"[0-9a-f]{40}", commit) and snapshot.is_dir() else None
+
+
+def cached_models(limit: int = 256) -> list[str]:
+    """Hub ids of the GGUF models in the local cache (owner/name for a repository's only GGUF,
+    owner/name:file.gguf for each of several)."""
+    root = Path(constants.HF_HUB_CACHE)
+    try:
+        folders = sorted(folder.name for folder in root.iterdir() if folder.name.startswith("models--"))
+    except OSError:
+        return []
+    ids: list[str] = []
+    for folder in folders[: limit * 4]:
+        repo = folder[len("models--"):].replace("--", "/", 1)
+        snapshot = _main_snapshot(repo)
+        if snapshot is None:
+            continue
+        ggufs = sorted(name for name in (path.name for path in snapshot.iterdir()) if name.endswith(".gguf")
+                       and (not _SHARD.match(name) or _SHARD.match(name)["index"] == "00001"))
+        ids += [repo] if len(ggufs) == 1 else [f"{repo}:{name}" for name in ggufs]
+        if len(ids) >= limit:
+            break
+    return ids[:limit]

@@ -4,6 +4,7 @@ model, or Hugging Face Hub files."""
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -111,6 +112,18 @@ class ModelConfig(StrictModel):
     tool_parser: ToolParserName | None = None
     reasoning_parser: ReasoningParserName | None = None
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    preload: bool = Field(True, description="Load the model when the server starts (else when first asked for).")
+    keep_alive: str | float | None = Field(
+        None, description="How long the model stays loaded once idle, as Ollama's keep_alive: a duration (5m, 1h30m) "
+        "or seconds; 0: unload it after each answer; negative: for good. Unset: the server's --keep-alive.")
+
+    @model_validator(mode="after")
+    def _keep_alive(self) -> ModelConfig:
+        if self.keep_alive is not None:
+            from fastrun_cpp.keep_alive import parse_keep_alive
+
+            parse_keep_alive(self.keep_alive)  # a ValueError names the problem
+        return self
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -189,14 +202,20 @@ MODEL_OVERRIDES = ("slots", "ctx_size", "batch_size", "replicas", "prompt_cache_
                    "embedding_pooling")
 
 
-def model_from_settings(settings) -> ModelConfig:
-    """The one model of a server started without --models-file: `--model` is the embedded
-    default's id, a GGUF path, or a Hub repository (`owner/name` or `owner/name:file.gguf`)."""
+def _overrides(settings) -> dict:
+    """The engine settings given on the command line, for a model's configuration."""
     common = {name: getattr(settings, name) for name in MODEL_OVERRIDES if getattr(settings, name) is not None}
     if settings.n_gpu_layers is not None:
         common["gpu"] = GpuOptions(n_gpu_layers=settings.n_gpu_layers)
     if settings.default_max_tokens is not None:
         common["defaults"] = SamplingDefaults(max_tokens=settings.default_max_tokens)
+    return common
+
+
+def model_from_settings(settings) -> ModelConfig:
+    """The one model of a server started without --models-file: `--model` is the embedded
+    default's id, a GGUF path, or a Hub repository (`owner/name` or `owner/name:file.gguf`)."""
+    common = _overrides(settings)
     source = settings.model
     if source == DEFAULT_MODEL_ID:
         common.setdefault("embeddings", True)  # small enough to serve both out of the box
@@ -218,3 +237,35 @@ def registry_from_settings(settings) -> Registry:
     if settings.models_file is not None:
         return load_registry(settings.models_file)
     return Registry(models=[model_from_settings(settings)])
+
+
+# A Hub model id: owner/name, or owner/name:file.gguf. Never a path: no leading dot or slash, no "..".
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(:[A-Za-z0-9][A-Za-z0-9_.-]{0,250}\.gguf)?")
+
+
+def hub_model_id(model_id: str) -> tuple[str, str | None] | None:
+    """(repo, file) of a Hub model id, or None for anything else (a path, a bare name)."""
+    if len(model_id) > 400 or not _HUB_ID.fullmatch(model_id) or ".." in model_id:
+        return None
+    repo, _, filename = model_id.partition(":")
+    return repo, filename or None
+
+
+def cached_hub_model(settings, model_id: str) -> ModelConfig | None:
+    """A model no registry lists that the local Hub cache holds, by its Hub id, configured by
+    the server's flags. Only the cache is looked at: asking for a model never downloads one
+    (POST /v1/models/pull does)."""
+    parsed = hub_model_id(model_id)
+    if parsed is None:
+        return None
+    from fastrun_cpp.hub import cached_gguf
+
+    filename = cached_gguf(*parsed)
+    if filename is None:
+        return None
+    return hub_model(settings, model_id, parsed[0], filename)
+
+
+def hub_model(settings, model_id: str, repo: str, filename: str) -> ModelConfig:
+    """A Hub file served as `model_id`, configured by the server's flags, loaded when asked for."""
+    return ModelConfig(id=model_id, hub=HubSource(repo=repo, file=filename), preload=False, **_overrides(settings))

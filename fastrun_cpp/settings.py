@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, FilePath
+from pydantic import Field, FilePath, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID
@@ -125,6 +125,21 @@ class Settings(BaseSettings):
         "machine); unset: start a local one.",
     )
     n_gpu_layers: int | None = Field(None, description="Layers to offload to a GPU (-1, the default: all; 0: none).")
+    keep_alive: str = Field(
+        "-1", description="How long a model stays loaded once idle, as Ollama's keep_alive: a duration (5m, 1h30m) "
+        "or seconds; 0: unload it after each answer; negative: for good. A registry entry and a request's keep_alive "
+        "set it per model.")
+    memory_budget: str | None = Field(
+        None, description="Memory the loaded models may hold: a size for RAM (16GiB), or ram=SIZE,gpu=SIZE (gpu: on "
+        "each GPU). Loading past it unloads the least recently used idle model; unset: no bound.")
+    load_wait_s: float = Field(
+        120, gt=0, description="How long a request waits for its model to load before a 503 with Retry-After (the load "
+        "goes on), seconds.")
+    hub_models: bool = Field(
+        True, description="Also serve the GGUF models in the local Hugging Face cache, by their Hub id (owner/name or "
+        "owner/name:file.gguf), loaded when first asked for.")
+    pull_max_gib: float = Field(
+        256, gt=0, description="Largest model POST /v1/models/pull may download (all shards), GiB.")
     request_timeout_s: float = Field(600, gt=0, description="Limit for a request without streaming, seconds.")
     stream_timeout_s: float = Field(3600, gt=0, description="Limit for a streamed request, seconds.")
     shutdown_grace_s: float = Field(
@@ -173,7 +188,44 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt and answer text (off by default).")
     limits: Limits = Field(default_factory=Limits, description="Bounds on the work one request can ask for.")
+    @field_validator("keep_alive")
+    @classmethod
+    def _keep_alive(cls, value: str) -> str:
+        from fastrun_cpp.keep_alive import parse_keep_alive
+
+        parse_keep_alive(value)
+        return value
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _memory_budget(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_budget(value)
+        return value
+
+    def budget(self):
+        """The memory budget (runtime.lifecycle.MemoryBudget)."""
+        from fastrun_cpp.runtime.lifecycle import MemoryBudget
+
+        ram, gpu = parse_budget(self.memory_budget) if self.memory_budget else (None, None)
+        return MemoryBudget(ram=ram, gpu=gpu)
+
     debug_faults: str = Field(
         "",
         description="Fault injection for tests, e.g. 'load-delay=3,decode-fail=2' (never in production).",
     )
+
+
+def parse_budget(text: str) -> tuple[int | None, int | None]:
+    """'16GiB' (RAM) or 'ram=16GiB,gpu=22GiB' -> (RAM bytes, bytes per GPU)."""
+    from fastrun_cpp.runtime.memory import parse_size
+
+    if "=" not in text:
+        return parse_size(text), None
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if name.strip() not in ("ram", "gpu") or name.strip() in sizes:
+            raise ValueError(f"memory budget {text!r}: give ram=SIZE and/or gpu=SIZE")
+        sizes[name.strip()] = parse_size(size)
+    return sizes.get("ram"), sizes.get("gpu")

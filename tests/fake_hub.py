@@ -1,6 +1,7 @@
 """A stand-in for the Hugging Face Hub on loopback: the routes huggingface-hub uses to list
 and download files (`/api/models/<repo>/tree/<rev>`, `/<repo>/resolve/<rev>/<file>`), served
-from a directory, with byte ranges, error codes, and an optional cut-off to test resuming."""
+from a directory, with byte ranges, error codes, an optional cut-off to test resuming, and two
+liars: a file whose HEAD claims a size it does not have, and one whose GET never ends."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class FakeHub:
         self.root = root
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.cut_after: dict[str, int] = {}  # file name -> bytes to send before hanging up (once)
+        self.claimed_size: dict[str, int] = {}  # file name -> the size HEAD says it has
+        self.endless: set[str] = set()  # file names whose GET sends zeros, with no length, until the client leaves
         self.url = ""
 
     def add(self, repo: str, name: str, source: Path) -> None:
@@ -93,11 +96,14 @@ def _handler(hub: FakeHub):
             ranged = self.headers.get("Range")
             if ranged and ranged.startswith("bytes="):
                 start = int(ranged[len("bytes="):].split("-")[0])
+            if body and filename in hub.endless:
+                return self._endless()
             self.send_response(206 if start else 200)
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
             self.send_header("Accept-Ranges", "bytes")
-            self.send_header("Content-Length", str(len(data) - start))
+            claimed = hub.claimed_size.get(filename) if not body else None
+            self.send_header("Content-Length", str(claimed if claimed is not None else len(data) - start))
             if start:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             self.end_headers()
@@ -110,6 +116,20 @@ def _handler(hub: FakeHub):
                 self.close_connection = True
                 return
             self.wfile.write(data[start:])
+
+        def _endless(self) -> None:
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", '"endless"')
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            chunk = bytes(64 * 1024)
+            try:
+                while True:
+                    self.wfile.write(chunk)
+            except OSError:  # the client stopped reading
+                pass
 
     return Handler
 

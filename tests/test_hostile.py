@@ -516,7 +516,8 @@ def test_hostile_embedding_requests(hostile, name):
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/completions", "/responses", "/messages",
-                                  "/messages/count_tokens", "/embeddings", "/batches"])
+                                  "/messages/count_tokens", "/embeddings", "/batches", "/models/load",
+                                  "/models/unload", "/models/pull"])
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                                           None])
 def test_non_json_bodies_are_refused_without_reading_them(hostile, path, content_type):
@@ -629,4 +630,30 @@ def test_hostile_files_and_batches(hostile):
                  {"input_file_id": "file_x", "endpoint": "/" * 100_000, "completion_window": "24h"}):
         response = httpx.post(f"{hostile.base_url}/batches", json=body, timeout=FAST_S)
         assert_spec_error(response)
+    still_answers(hostile)
+
+
+def test_hostile_model_lifecycle_requests(hostile):
+    """Model ids built to reach the file system or to be huge, deep bodies and keep_alive values
+    that are not durations: each a 4xx in the spec's shape that loads nothing."""
+    models = f"{hostile.base_url}/models"
+    for model in ("../../../etc/passwd", "/etc/passwd", "~/.ssh/id_rsa", "a/../../b", "x" * 100_000, "a/b\x00",
+                  "C:\\Windows\\x.gguf", "owner/name:../../x.gguf"):
+        for route in ("load", "unload"):
+            response = httpx.post(f"{models}/{route}", json={"model": model}, timeout=FAST_S)
+            assert response.status_code in (400, 404), (model, response.text)
+            assert_spec_error(response)
+        if len(model) < 1000 and model.isprintable():  # a URL carries neither
+            retrieved = httpx.get(f"{models}/{model}", timeout=FAST_S)
+            assert retrieved.status_code in (400, 404), (model, retrieved.text)
+    response = httpx.post(f"{models}/load", content=f'{{"model": {deep_json(900)}}}',
+                          headers={"content-type": "application/json"}, timeout=FAST_S)
+    assert_spec_error(response)
+    for keep_alive in ("9" * 1000, "1e999", "nan", "-", "5x", {"a": 1}, "1h" * 30):
+        body = {"model": DEFAULT_MODEL, "messages": USER, "max_tokens": 1, "keep_alive": keep_alive}
+        response = httpx.post(f"{hostile.base_url}/chat/completions", json=body, timeout=FAST_S)
+        assert response.status_code == 400, (keep_alive, response.text)
+        assert_spec_error(response)
+    listed = [m["id"] for m in httpx.get(models, timeout=FAST_S).json()["data"]]
+    assert all(".." not in model and not model.startswith("/") for model in listed)
     still_answers(hostile)

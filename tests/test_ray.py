@@ -200,6 +200,24 @@ def test_replicas_get_the_gpus_of_the_cluster_unless_the_model_stays_on_the_cpu(
     assert replica_gpus(on_cpu, cluster_gpus=4, offload_built=True) == 0
 
 
+def test_a_model_unloaded_through_the_api_leaves_the_cluster_and_loads_again_when_asked_for(ray_server):
+    """Models come and go on Ray as here: an unload deletes the model's app (its replicas and
+    stats board leave the cluster), and the next request deploys it again."""
+    import ray
+
+    def fastrun_actors() -> list:
+        return [actor for actor in ray.util.list_named_actors(all_namespaces=True) if "fastrun-" in actor["name"]]
+
+    assert fastrun_actors()
+    unloaded = httpx.post(f"{ray_server.base_url}/models/unload", json={"model": DEFAULT_MODEL}, timeout=900)
+    assert unloaded.status_code == 200 and unloaded.json()["unloaded"] is True, unloaded.text
+    assert wait_until(lambda: fastrun_actors() == [], 300), fastrun_actors()
+    # The next request deploys it again (a 503 with Retry-After if that outlasts --load-wait-s).
+    assert wait_until(lambda: chat(ray_server, "You are terse.", "Say hi.").status_code == 200, 900)
+    model = httpx.get(f"{ray_server.base_url}/models/{DEFAULT_MODEL}", timeout=60).json()
+    assert model["status"] == "loaded" and fastrun_actors()
+
+
 def test_a_stopped_server_leaves_nothing_in_the_cluster_and_keeps_its_prefixes(ray_server, tmp_path):
     """Last in this module: it stops the server. The replicas write what their slots hold to
     the disk tier as they stop (a new server reuses it), and neither the app's replicas nor

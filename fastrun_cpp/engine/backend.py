@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import threading
+from collections import Counter
 
 import llama_cpp.llama_cpp as llama
 
@@ -20,11 +22,49 @@ _line_buffer: list[str] = []
 _line_level = logging.DEBUG
 
 
+# llama.cpp's report of each buffer it allocates ("CPU_Mapped model buffer size = 82.82 MiB").
+_BUFFER_LINE = re.compile(rb"(\S+)\s+(model|KV|output|compute) buffer size\s*=\s*([0-9.]+) MiB")
+
+
+class BufferReport:
+    """What llama.cpp says it allocated while this report listens: bytes by (device, kind),
+    device as llama.cpp names its buffer (CPU, CPU_Mapped, CPU_REPACK, CUDA0, CUDA_Host...).
+    One report listens at a time (model loads take turns)."""
+
+    def __init__(self) -> None:
+        self.bytes: Counter[tuple[str, str]] = Counter()
+
+    def __enter__(self) -> BufferReport:
+        global _listening
+        _listening = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _listening
+        _listening = None
+
+    def total(self, *, gpu: bool | None = None) -> int:
+        return sum(size for (device, _), size in self.bytes.items() if gpu is None or is_gpu_buffer(device) == gpu)
+
+
+def is_gpu_buffer(device: str) -> bool:
+    """A buffer in a GPU's memory (CUDA0, Vulkan1, ...); host buffers (CPU*, *_Host) are RAM."""
+    return not device.startswith("CPU") and not device.endswith("_Host")
+
+
+_listening: BufferReport | None = None
+
+
 @llama.llama_log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     global _line_level
     if level != 5:
         _line_level = _LEVELS.get(level, logging.DEBUG)
+    report = _listening
+    if report is not None and b"buffer size" in text:
+        match = _BUFFER_LINE.search(text)
+        if match:
+            report.bytes[(match[1].decode(), match[2].decode())] += int(float(match[3]) * 2**20)
     if not logger.isEnabledFor(_line_level):
         return
     _line_buffer.append(text.decode("utf-8", errors="replace"))

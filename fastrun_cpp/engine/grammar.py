@@ -261,7 +261,10 @@ class GrammarCompiler:
             )
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop compiling. Waits for the work that reads the model's vocabulary (the tokenizer
+        view, a compile under way): the weights are freed next, and a model unloaded while
+        its server runs must not leave a thread reading freed memory."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if self._trials is not None:
             self._trials.close()
 

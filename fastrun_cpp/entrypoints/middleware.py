@@ -65,7 +65,7 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            record.close_streams()
+            record.release()
             self._finish(scope, record, status)
 
     def _finish(self, scope: Scope, record: RequestRecord, status: int) -> None:
@@ -169,10 +169,10 @@ class BodyLimitMiddleware:
 
 
 # Outside /v1, what needs a key once keys exist: the API's docs, and the metrics, which show
-# every account's use (an admin key: `fastrun-cpp keys admin`).
+# every account's use. An admin key (`fastrun-cpp keys admin`) for those, and for loading,
+# unloading and pulling models, which change what every account is served.
 KEYED_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-ADMIN_PATHS = frozenset({"/metrics"})
-NOT_ADMIN = "/metrics needs the key of an admin account (`fastrun-cpp keys admin ACCOUNT`)"
+ADMIN_PATHS = frozenset({"/metrics", "/v1/models/load", "/v1/models/unload", "/v1/models/pull"})
 
 
 class APIKeyMiddleware:
@@ -216,7 +216,8 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         if key is not None and path in ADMIN_PATHS and not key.admin:
-            await APIError(403, NOT_ADMIN, "authentication_error").response(path)(scope, receive, send)
+            message = f"{path} needs the key of an admin account (`fastrun-cpp keys admin ACCOUNT`)"
+            await APIError(403, message, "authentication_error").response(path)(scope, receive, send)
             return
         await self._serve(key, path, record, scope, receive, send)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fastrun_cpp.entrypoints.tenancy import Ticket
 from fastrun_cpp.runtime import EngineStream
@@ -32,6 +33,14 @@ class RequestRecord:
     replica: str | None = None  # the engine replica that served it
     streams: list[EngineStream] = field(default_factory=list)
     ticket: Ticket | None = None  # the account's rate limits, when it has any
+    leases: dict[str, Callable[[], None]] = field(default_factory=dict)  # model id -> its release
+
+    def hold(self, model_id: str, release: Callable[[], None]) -> bool:
+        """Keep a model's lease until the request ends; False if it holds one already."""
+        if model_id in self.leases:
+            return False
+        self.leases[model_id] = release
+        return True
 
     def reserve(self, tokens: int) -> None:
         """Hold `tokens` of the account's tokens per minute before work is queued (raises
@@ -43,10 +52,15 @@ class RequestRecord:
         self.streams.append(stream)
         self.replica = stream.replica
 
-    def close_streams(self) -> None:
-        """Abort whatever generation this request left running (a client gone, a crash)."""
-        for stream in self.streams:
+    def release(self) -> None:
+        """Abort whatever generation this request left running (a client gone, a crash), and
+        let go of the models it used."""
+        streams, self.streams = self.streams, []  # nothing kept alive by a record that outlives its request
+        for stream in streams:
             stream.close()
+        leases, self.leases = self.leases, {}
+        for release in leases.values():
+            release()
 
 
 _current: ContextVar[RequestRecord | None] = ContextVar("fastrun_request", default=None)

@@ -41,15 +41,18 @@ from fastrun_cpp.entrypoints.openai.files.router import router as files_router
 from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles
 from fastrun_cpp.entrypoints.openai.models.router import health_router
 from fastrun_cpp.entrypoints.openai.models.router import router as models_router
-from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
+from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels
 from fastrun_cpp.entrypoints.openai.responses.router import router as responses_router
 from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal, load_secret
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoreBudget
 from fastrun_cpp.entrypoints.openai.body import BodyChecker
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
-from fastrun_cpp.registry import registry_from_settings
-from fastrun_cpp.runtime import load_local_runtime
+from fastrun_cpp.hub import cached_models
+from fastrun_cpp.keep_alive import parse_keep_alive
+from fastrun_cpp.registry import ModelConfig, Registry, cached_hub_model, hub_model, registry_from_settings
+from fastrun_cpp.runtime import ModelRuntime, load_local_runtime
+from fastrun_cpp.runtime.lifecycle import Loader, ModelManager, ServedModel
 from fastrun_cpp.settings import Settings
 from fastrun_cpp.structured.builder import GrammarBuilder
 
@@ -60,25 +63,34 @@ API_ROUTERS = (chat_router, completion_router, responses_router, messages_router
                files_router, batches_router)
 
 
-async def load_model(settings: Settings, served: ServedModel) -> None:
-    """Pull (if from the Hub) and load the model and start its engines; marks the model ready,
-    or failed with the reason."""
-    try:
+def runtime_loader(settings: Settings) -> Loader:
+    """How this server loads a model: pull it (if from the Hub) and start its engines, here or on Ray."""
+
+    async def load(config: ModelConfig) -> ModelRuntime:
         if settings.backend == "ray":
             from fastrun_cpp.runtime.ray_backend import load_ray_runtime  # the local backend never imports Ray
 
-            runtime = await load_ray_runtime(served.config, threads=settings.threads, faults_spec=settings.debug_faults,
-                                             prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits,
-                                             address=settings.ray_address, router=settings.ray_router,
-                                             replica_timeout_s=settings.ray_replica_timeout_s)
-        else:
-            runtime = await load_local_runtime(served.config, threads=settings.threads,
-                                               faults_spec=settings.debug_faults,
-                                               prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits)
-        served.ready(runtime)
-    except Exception as exc:  # a model that cannot load makes the server say 503, not crash
-        logger.exception("could not load %s", served.id)
-        served.failed(str(exc) or type(exc).__name__)
+            return await load_ray_runtime(config, threads=settings.threads, faults_spec=settings.debug_faults,
+                                          prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits,
+                                          address=settings.ray_address, router=settings.ray_router,
+                                          replica_timeout_s=settings.ray_replica_timeout_s)
+        return await load_local_runtime(config, threads=settings.threads, faults_spec=settings.debug_faults,
+                                        prompt_cache_dir=settings.prompt_cache_dir, limits=settings.limits)
+
+    return load
+
+
+def model_manager(settings: Settings, registry: Registry) -> ModelManager:
+    default_keep_alive = parse_keep_alive(settings.keep_alive)
+    served = []
+    for config in registry.models:
+        keep_alive = default_keep_alive if config.keep_alive is None else parse_keep_alive(config.keep_alive)
+        served.append(ServedModel(id=config.id, config=config, default_keep_alive_s=keep_alive,
+                                  keep_alive_s=keep_alive))
+    discover = (lambda model_id: cached_hub_model(settings, model_id)) if settings.hub_models else None
+    return ModelManager(served, runtime_loader(settings), budget=settings.budget(), discover=discover,
+                        discoverable=cached_models if settings.hub_models else None,
+                        default_keep_alive_s=default_keep_alive)
 
 
 def authenticator_for(settings: Settings) -> Authenticator:
@@ -108,7 +120,10 @@ def batch_store(settings: Settings) -> BatchStore:
 def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:
     authenticator = authenticator or authenticator_for(settings)
     registry = registry_from_settings(settings)
-    models = OpenAIServingModels([ServedModel(id=config.id, config=config) for config in registry.models])
+    manager = model_manager(settings, registry)
+    models = OpenAIServingModels(manager, load_wait_s=settings.load_wait_s,
+                                 hub_config=lambda model_id, repo, filename: hub_model(settings, model_id, repo, filename),
+                                 pull_max_bytes=int(settings.pull_max_gib * 2**30))
     grammar_builder = GrammarBuilder(settings.limits, hang_on_request=Faults.parse(settings.debug_faults).schema_hang)
     usage = UsageRecorder(authenticator.store)
     metrics = ServerMetrics(models.engines, grammar_failures=lambda: (models.grammar_compile_failures(),
@@ -125,6 +140,10 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
         log_prompts=settings.log_prompts,
     )
 
+    async def preload() -> None:
+        await manager.start([config.id for config in registry.models if config.preload])
+        models.preload_done = True
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await authenticator.start()
@@ -135,7 +154,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
             logger.warning("NO API KEYS: the key store %s is empty, so this loopback server is open to "
                            "every local user; create one with `fastrun-cpp keys create --account NAME`",
                            settings.keys_db)
-        loading = [asyncio.create_task(load_model(settings, served)) for served in models]
+        preloading = asyncio.create_task(preload(), name="fastrun-preload")
         await batch_runner.start()
         await responses.background.start()
         try:
@@ -144,15 +163,12 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
             # Lines and background responses in flight stay owed: they run again after a restart.
             await batch_runner.stop()
             await responses.background.stop()
-            for task in loading:
-                task.cancel()
+            preloading.cancel()
             await authenticator.stop()
             await asyncio.to_thread(usage.close)
             grammar_builder.close()
             body_checker.close()
-            for served in models:
-                if served.runtime is not None:
-                    await served.runtime.close()
+            await manager.stop()
             if settings.backend == "ray":
                 from fastrun_cpp.runtime.ray_backend import shutdown
 

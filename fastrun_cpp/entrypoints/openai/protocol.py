@@ -347,7 +347,8 @@ class ModelCard(ResponseModel):
     """OpenAI's model card, with what agents size themselves by: the context (vLLM's
     `max_model_len`, llama-server's `meta`), the longest answer, and what the model can do."""
 
-    omit_if_none = frozenset({"max_model_len", "max_output_tokens", "capabilities", "meta"})
+    omit_if_none = frozenset({"max_model_len", "max_output_tokens", "capabilities", "meta", "error", "memory",
+                              "keep_alive_left_s", "expires_at", "load_s"})
 
     id: str
     object: Literal["model"] = "model"
@@ -357,6 +358,15 @@ class ModelCard(ResponseModel):
     max_output_tokens: int | None = None
     capabilities: list[str] | None = None  # chat, completions, tools, structured_outputs, reasoning, embeddings
     meta: ModelMeta | None = None
+    # Its life (llama-server's router mode, Ollama's /api/ps): loaded, loading or unloaded; why
+    # its last load failed; the memory it holds; and its keep-alive (-1: for good) and what is left of it.
+    status: Literal["loaded", "loading", "unloaded"] = "loaded"
+    error: str | None = None
+    memory: dict[str, Any] | None = None
+    keep_alive_s: float = -1
+    keep_alive_left_s: float | None = None
+    expires_at: int | None = None
+    load_s: float | None = None
 
 
 class ModelList(ResponseModel):

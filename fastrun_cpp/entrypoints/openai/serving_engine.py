@@ -145,12 +145,13 @@ class OpenAIServing:
         except RecursionError:
             raise bad_request("the request nests too deeply") from None
 
-    def served_model(self, model_id: str) -> ServedModel:
-        served = self.models.get(model_id)
+    async def served_model(self, model_id: str, keep_alive_s: float | None = None) -> ServedModel:
+        """The model, loaded (waiting for its load if need be) and held until the request ends;
+        the request's keep_alive becomes the model's when it lets go."""
         record = current_record()
         if record is not None:
             record.model = model_id
-        return served
+        return await self.models.acquire(model_id, keep_alive_s)
 
     async def in_prompt_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, function, *args)

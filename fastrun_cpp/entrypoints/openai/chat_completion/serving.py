@@ -169,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
         """The answer to a chat request, or (streaming) its chunks, which raise APIError if
         the engine fails mid-way. The other generating endpoints (Responses, Messages) are
         translations onto this."""
-        served = self.served_model(request.model)
+        served = await self.served_model(request.model, request.keep_alive)
         runtime = served.runtime
         tool_parser = self._tool_parser(runtime, request)
         forced_calls = tool_parser is not None and request.tool_choice not in (None, "auto")
@@ -209,7 +209,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
         """The length of the prompt `request` renders to, tools and reasoning switches included."""
-        served = self.served_model(request.model)
+        served = await self.served_model(request.model, request.keep_alive)
         tool_parser = self._tool_parser(served.runtime, request)
         _, tokens = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
         return len(tokens)

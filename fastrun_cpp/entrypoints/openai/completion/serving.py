@@ -33,7 +33,7 @@ from fastrun_cpp.runtime import EngineStream
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Completion | AsyncIterator[str]:
-        served = self.served_model(request.model)
+        served = await self.served_model(request.model, request.keep_alive)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         completion_id = random_id("cmpl")
         sampling = self.sampling_params(request, served)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from fastrun_cpp.entrypoints.openai.protocol_base import RequestModel, ResponseModel
+from fastrun_cpp.entrypoints.openai.sampling_fields import KeepAlive
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -18,6 +19,7 @@ class EmbeddingRequest(RequestModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None  # accepted and ignored
+    keep_alive: KeepAlive | None = None
 
 
 class Embedding(ResponseModel):

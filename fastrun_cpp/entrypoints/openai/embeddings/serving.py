@@ -21,7 +21,7 @@ from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, request: EmbeddingRequest) -> JSONPieces:
         """An EmbeddingList, made as it is sent."""
-        served = self.served_model(request.model)
+        served = await self.served_model(request.model, request.keep_alive)
         dimensions = served.runtime.info.embedding_dimensions
         if dimensions is None:
             raise bad_request(f"the model {request.model!r} does not serve embeddings (a model serves them when "

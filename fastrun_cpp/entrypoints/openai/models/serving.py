@@ -1,95 +1,206 @@
-"""The models this server serves, their loading state, and GET /v1/models."""
+"""The models this server serves, as its clients see them: GET /v1/models with each model's
+status, leases for the requests that use one, and load, unload and pull (the life of a model
+is runtime.lifecycle's; this is its HTTP face)."""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import asdict, dataclass, field
+import asyncio
+import json
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, AsyncIterator, Callable
 
-from fastrun_cpp.registry import ModelConfig, SamplingDefaults
-from fastrun_cpp.runtime import EngineClient, ModelRuntime
-from fastrun_cpp.entrypoints.openai.errors import APIError, model_not_found
-from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, ModelMeta, unix_time
+from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from fastrun_cpp.entrypoints.openai.protocol import ModelCard, ModelList, ModelMeta
 from fastrun_cpp.entrypoints.openai.protocol_base import MAX_OUTPUT_TOKENS
+from fastrun_cpp.entrypoints.openai.models.protocol import ModelPullRequest
+from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.hub import HubError, PullStopped, pull
+from fastrun_cpp.keep_alive import FOREVER
+from fastrun_cpp.registry import ModelConfig, hub_model_id
+from fastrun_cpp.runtime import EngineClient
+from fastrun_cpp.runtime.lifecycle import (
+    LOADING_RETRY_AFTER_S,
+    ModelInUse,
+    ModelManager,
+    ModelState,
+    ModelUnavailable,
+    ServedModel,
+    UnknownModel,
+)
 
-# Retry-After while a model loads, and after it failed (an operator must act).
-LOADING_RETRY_AFTER_S = 5
-FAILED_RETRY_AFTER_S = 60
+__all__ = ["OpenAIServingModels", "ServedModel", "ModelState"]
 
 
-class ModelState(str, enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass
-class ServedModel:
-    id: str
-    config: ModelConfig | None = None
-    state: ModelState = ModelState.LOADING
-    runtime: ModelRuntime | None = None
-    error: str | None = None
-    created: int = field(default_factory=unix_time)
-
-    @property
-    def sampling_defaults(self) -> SamplingDefaults:
-        return self.config.defaults if self.config is not None else SamplingDefaults()
-
-    @property
-    def engine(self) -> EngineClient | None:
-        return self.runtime.engine if self.runtime is not None else None
-
-    def ready(self, runtime: ModelRuntime) -> None:
-        self.runtime = runtime
-        self.state = ModelState.READY
-
-    def failed(self, error: str) -> None:
-        self.error = error
-        self.state = ModelState.FAILED
+MAX_PULLS = 2  # downloads at once: each holds a thread and a connection to the Hub
+PROGRESS_EVERY_S = 0.25
 
 
 class OpenAIServingModels:
-    def __init__(self, models: list[ServedModel]) -> None:
-        self._models = {model.id: model for model in models}
+    def __init__(self, manager: ModelManager, *, load_wait_s: float,
+                 hub_config: Callable[[str, str, str], ModelConfig] | None = None,
+                 pull_max_bytes: int | None = None) -> None:
+        self.manager = manager
+        self.load_wait_s = load_wait_s  # how long a request waits for its model to load before a 503
+        self.hub_config = hub_config  # (model id, repo, file) -> its configuration
+        self.pull_max_bytes = pull_max_bytes
+        self.preload_done = False
+        self._pulls = 0
 
     def __iter__(self):
-        return iter(self._models.values())
+        return iter(self.manager)
 
     def knows(self, model_id: str) -> bool:
-        """Whether the id names a served model (ready or not)."""
-        return model_id in self._models
+        """Whether the id names a model this server can serve (loaded or not)."""
+        return self.manager.get(model_id) is not None
 
-    def get(self, model_id: str) -> ServedModel:
-        """A model ready to serve; 404 for an unknown id, 503 while loading or after a failure."""
-        model = self._models.get(model_id)
+    async def acquire(self, model_id: str, keep_alive_s: float | None = None) -> ServedModel:
+        """The model, loaded (waiting for its load), held until the current request ends; 404
+        for an unknown id, 503 with Retry-After while it loads or when it cannot."""
+        record = current_record()
+        held = self.manager.get(model_id)
+        if record is not None and held is not None and model_id in record.leases \
+                and held.state is ModelState.READY:
+            return held
+        try:
+            model = await self.manager.acquire(model_id, wait_s=self.load_wait_s)
+        except UnknownModel:
+            raise model_not_found(model_id) from None
+        except ModelUnavailable as exc:
+            raise APIError(503, str(exc), "unavailable", retry_after=exc.retry_after_s) from None
+        release = lambda: self.manager.release(model, keep_alive_s)  # noqa: E731
+        if record is None or not record.hold(model_id, release):
+            self.manager.release(model)  # nothing ends it: it stays leased only by requests that end
+        return model
+
+    def card(self, model_id: str) -> ModelCard:
+        return model_card(self._known(model_id))
+
+    def held(self, model_id: str) -> ServedModel:
+        """A model the current request acquired (and so is loaded)."""
+        model = self.manager.get(model_id)
+        if model is None or model.runtime is None:
+            raise APIError(503, f"the model {model_id!r} is not loaded", "unavailable",
+                           retry_after=LOADING_RETRY_AFTER_S)
+        return model
+
+    # ------------------------------------------------------------------ load, unload (admin)
+
+    def _known(self, model_id: str) -> ServedModel:
+        model = self.manager.get(model_id)
         if model is None:
             raise model_not_found(model_id)
-        if model.state is ModelState.LOADING:
-            raise APIError(503, f"the model {model_id!r} is still loading", "unavailable",
-                           retry_after=LOADING_RETRY_AFTER_S)
-        if model.state is ModelState.FAILED:
-            raise APIError(503, f"the model {model_id!r} failed to load: {model.error}", "unavailable",
-                           retry_after=FAILED_RETRY_AFTER_S)
         return model
+
+    async def load(self, model_id: str) -> dict[str, Any]:
+        model = self._known(model_id)
+        try:
+            await self.manager.load(model)
+        except ModelUnavailable as exc:  # failed, or over the memory budget
+            raise APIError(503, str(exc), "unavailable", retry_after=exc.retry_after_s) from None
+        return {"success": True, "model": model_card(model).model_dump(mode="json", exclude_none=True)}
+
+    async def unload(self, model_id: str) -> dict[str, Any]:
+        model = self._known(model_id)
+        try:
+            unloaded = await self.manager.unload(model)
+        except ModelInUse as exc:
+            raise APIError(409, f"{exc}: it is unloaded once idle with keep_alive 0", "invalid_request_error") \
+                from None
+        return {"success": True, "unloaded": unloaded, "model": model_card(model).model_dump(mode="json",
+                                                                                        exclude_none=True)}
+
+    # ------------------------------------------------------------------ pull (admin)
+
+    async def pull(self, request: ModelPullRequest) -> dict[str, Any] | AsyncIterator[str]:
+        """Download a GGUF from the Hub into its cache and serve it from then on (unloaded until
+        asked for), as Ollama's /api/pull: progress events (status, completed, total bytes and
+        the rate), then {"status": "success"}."""
+        if hub_model_id(request.model) is None or ":" in request.model:
+            raise bad_request(f"model: {request.model[:100]!r} is not a Hub repository (owner/name)")
+        if self._pulls >= MAX_PULLS:
+            raise APIError(429, f"{MAX_PULLS} pulls are running, the most at once", "rate_limit_error",
+                           retry_after=30)
+        model_id = request.model if request.file is None else f"{request.model}:{request.file}"
+        events = self._pull_events(request, model_id)
+        if request.stream:
+            return (json.dumps(event) async for event in events)
+        last: dict[str, Any] = {}
+        async for last in events:
+            pass
+        if "error" in last:
+            raise APIError(last["status_code"], last["error"]["message"], last["error"]["type"])
+        return last
+
+    async def _pull_events(self, request: ModelPullRequest, model_id: str) -> AsyncIterator[dict[str, Any]]:
+        self._pulls += 1
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        stopped = threading.Event()
+        started = time.monotonic()
+        last_sent: dict[str, float] = {}
+
+        def progress(filename: str, done: int, total: int | None) -> None:  # in the download's thread
+            now = time.monotonic()
+            if now - last_sent.get(filename, 0.0) < PROGRESS_EVERY_S and done != total:
+                return
+            last_sent[filename] = now
+            event = {"status": f"downloading {filename}", "file": filename, "completed": done, "total": total,
+                     "rate_bytes_per_s": int(done / max(now - started, 1e-3))}
+            loop.call_soon_threadsafe(updates.put_nowait, event)
+
+        download = asyncio.ensure_future(asyncio.to_thread(
+            pull, request.model, request.file, revision=request.revision, progress=progress,
+            max_bytes=self.pull_max_bytes, stop=stopped.is_set))
+        try:
+            yield {"status": "pulling manifest", "model": model_id}
+            while not download.done() or not updates.empty():
+                getter = asyncio.ensure_future(updates.get())
+                await asyncio.wait({getter, download}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            try:
+                path = download.result()
+            except PullStopped as exc:
+                yield _pull_error(400, str(exc), "invalid_request_error")
+                return
+            except HubError as exc:
+                yield _pull_error(502, str(exc), "upstream_error")
+                return
+            except Exception as exc:  # what huggingface-hub raises past its own errors (a refused size, a bad file)
+                yield _pull_error(502, f"the pull of {request.model} failed: {exc}", "upstream_error")
+                return
+            served = self.manager.add(self.hub_config(model_id, request.model, path.name))
+            yield {"status": "success", "model": served.id, "path": str(path),
+                   "seconds": round(time.monotonic() - started, 2)}
+        finally:
+            stopped.set()  # a client gone mid-download stops it at its next chunk
+            self._pulls -= 1
+
+    # ------------------------------------------------------------------ what is served
 
     @property
     def all_ready(self) -> bool:
-        return all(model.state is ModelState.READY for model in self._models.values())
+        """Startup has loaded what it loads, and none of it failed."""
+        return self.preload_done and not any(m.state is ModelState.FAILED for m in self.manager)
 
     def engines(self) -> list[tuple[str, EngineClient]]:
-        return [(m.id, m.engine) for m in self._models.values() if m.engine is not None]
+        return [(m.id, m.engine) for m in self.manager if m.engine is not None]
 
     def grammar_compile_failures(self) -> dict[str, tuple[int, int]]:
         """Per model, grammar compilations past their time limit: (stuck in a thread of the
         server, killed in their trial process)."""
         return {m.id: (m.runtime.grammars.stuck, m.runtime.grammars.killed)
-                for m in self._models.values() if m.runtime is not None}
+                for m in self.manager if m.runtime is not None}
 
     def status(self, *, counters: bool = True) -> dict[str, dict[str, object]]:
         """Each model's state and load (what a probe or a balancer needs), and with `counters`
         what it has served."""
         status: dict[str, dict[str, object]] = {}
-        for model in self._models.values():
+        for model in self.manager:
             entry: dict[str, object] = {"state": model.state.value}
             if model.error:
                 entry["error"] = model.error
@@ -99,6 +210,7 @@ class OpenAIServingModels:
             status[model.id] = entry
             if model.engine is None or not counters:
                 continue
+            entry.update(lifecycle(model))
             stats = model.engine.stats
             entry["stats"] = asdict(stats)
             entry["speculation"] = {
@@ -115,14 +227,54 @@ class OpenAIServingModels:
         return status
 
     def list_models(self) -> ModelList:
-        cards = [model_card(model) for model in self._models.values()]
+        """Every model it can serve: the registry's, those pulled, and the GGUFs in the Hub cache."""
+        self.manager.discover_all()
+        cards = [model_card(model) for model in self.manager]
         return ModelList(data=cards, models=[codex_model_info(card) for card in cards if card.max_model_len])
 
 
+def _pull_error(status: int, message: str, error_type: str) -> dict[str, Any]:
+    return {"status": "error", "status_code": status, "error": {"message": message, "type": error_type}}
+
+
+def lifecycle(model: ServedModel) -> dict[str, Any]:
+    """Where the model is in its life: its status, the memory it holds or would (estimated
+    before the load, as llama.cpp reported it, and the process's resident growth over the load),
+    and how long it stays loaded while idle."""
+    status = {ModelState.READY: "loaded", ModelState.LOADING: "loading"}.get(model.state, "unloaded")
+    out: dict[str, Any] = {"status": status}
+    if model.state is ModelState.FAILED and model.error:
+        out["error"] = model.error
+    memory: dict[str, Any] = {}
+    if model.estimate is not None:
+        memory["estimate"] = model.estimate.as_dict()
+    if model.reported is not None and model.state is ModelState.READY:
+        memory["reported_by_llama_cpp"] = model.reported.as_dict()
+    if model.rss_growth is not None and model.state is ModelState.READY:
+        memory["rss_growth_bytes"] = model.rss_growth
+    if memory:
+        out["memory"] = memory
+    out["keep_alive_s"] = -1 if model.keep_alive_s == FOREVER else model.keep_alive_s  # Ollama's -1: for good
+    left = model.keep_alive_left_s()
+    if left is not None:
+        out["keep_alive_left_s"] = round(left, 1)
+        out["expires_at"] = int(time.time() + left)
+    if model.load_s is not None and model.state is ModelState.READY:
+        out["load_s"] = round(model.load_s, 2)
+    return out
+
+
 def model_card(model: ServedModel) -> ModelCard:
-    """The model's card; a model still loading (or failed) has only its id."""
+    """The model's card. One not loaded says what its configuration promises (its context);
+    what only its weights tell (reasoning, the vocabulary) comes once it is loaded."""
     if model.runtime is None:
-        return ModelCard(id=model.id, created=model.created)
+        context = model.config.ctx_size
+        capabilities = ["chat", "completions", "tools", "structured_outputs"]
+        if model.config.embeddings:
+            capabilities.append("embeddings")
+        return ModelCard(id=model.id, created=model.created, max_model_len=context,
+                         max_output_tokens=min(context, MAX_OUTPUT_TOKENS), capabilities=capabilities,
+                         **lifecycle(model))
     runtime = model.runtime
     info = runtime.info
     capabilities = ["chat", "completions", "tools", "structured_outputs"]
@@ -133,7 +285,7 @@ def model_card(model: ServedModel) -> ModelCard:
     return ModelCard(id=model.id, created=model.created, max_model_len=info.max_context,
                      max_output_tokens=min(info.max_context, MAX_OUTPUT_TOKENS), capabilities=capabilities,
                      meta=ModelMeta(n_vocab=info.n_vocab, n_ctx_train=info.n_ctx_train, n_ctx=info.max_context,
-                                    slots=info.slots))
+                                    slots=info.slots), **lifecycle(model))
 
 
 # Codex's catalog entry must carry base instructions; a short one, as a small local model

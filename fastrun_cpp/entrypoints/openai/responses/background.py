@@ -115,7 +115,7 @@ class BackgroundResponses:
                 raise  # the server stops: the job stays owed, and runs again after the restart
             await asyncio.shield(self.serving.end_background(job, running.events, cancelled=True))
         finally:
-            record.close_streams()
+            record.release()
             if self._usage is not None and record.account is not None and record.model is not None:
                 self._usage.count(record.account, record.prompt_tokens, record.cached_tokens,
                                   record.completion_tokens, batch=True)

@@ -439,7 +439,7 @@ class OpenAIServingResponses:
     async def _usage(self, request: ResponsesRequest, usage, reasoning: str) -> ResponseUsage:
         reasoning_tokens = 0
         if reasoning:
-            served = self.chat.served_model(request.model)
+            served = self.chat.models.held(request.model)
             reasoning_tokens = len(await self.chat.in_prompt_pool(served.runtime.tokenizer.tokenize_plain, reasoning))
         return ResponseUsage(
             input_tokens=usage.prompt_tokens,
@@ -455,7 +455,7 @@ class OpenAIServingResponses:
         client asked for no bound (and Codex fails a turn on an incomplete response)."""
         if finish_reason != "length":
             return False
-        context = self.chat.served_model(request.model).runtime.info.max_context
+        context = self.chat.models.held(request.model).runtime.info.max_context
         return request.max_output_tokens is not None or (usage is not None and usage.total_tokens >= context - 1)
 
     @staticmethod
