@@ -73,30 +73,27 @@ def test_full_slots_and_queue_answer_429_with_retry_after(tiny_queue):
     assert httpx.post(f"{server.base_url}/completions", json=SHORT, timeout=600).status_code == 200
 
 
-def test_503_while_loading_then_ready(tmp_path):
-    with run_server("--debug-faults", "load-delay=4", "--slots", "1", "--ctx-size", "256",
+def test_503_while_loading_past_the_load_wait_then_ready(tmp_path):
+    """A request for a model still loading waits --load-wait-s for it, then gets a 503 with
+    Retry-After (the load goes on); once loaded, it is answered. (Waiting requests sharing one
+    load: tests/test_model_lifecycle.py.)"""
+    with run_server("--debug-faults", "load-delay=20", "--load-wait-s", "1", "--slots", "1", "--ctx-size", "256",
                     log_dir=tmp_path, wait_until="/health") as server:
         ready = httpx.get(f"{server.root_url}/ready")
         assert ready.status_code == 503
         assert ready.json()["models"][DEFAULT_MODEL]["state"] == "loading"
-        error = assert_spec_error(httpx.post(f"{server.base_url}/completions", json=SHORT), 503, "unavailable",
-                                  retry_after=True)
+        error = assert_spec_error(httpx.post(f"{server.base_url}/completions", json=SHORT, timeout=60), 503,
+                                  "unavailable", retry_after=True)
         assert "loading" in error["message"]
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{server.root_url}/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        assert httpx.post(f"{server.base_url}/completions", json=SHORT).status_code == 200
+        assert wait_until(lambda: httpx.get(f"{server.root_url}/ready").status_code == 200, 900)  # a hang guard
+        assert httpx.post(f"{server.base_url}/completions", json=SHORT, timeout=600).status_code == 200
 
 
 def test_model_that_fails_to_load_is_503_and_not_ready(tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 4096)
     with run_server("--model", str(broken), log_dir=tmp_path, wait_until="/health") as server:
-        deadline = time.monotonic() + 30
-        while server.health()["models"]["broken"]["state"] == "loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        assert wait_until(lambda: server.health()["models"]["broken"]["state"] != "loading", 600)
         assert httpx.get(f"{server.root_url}/ready").status_code == 503
         body = {**SHORT, "model": "broken"}
         error = assert_spec_error(httpx.post(f"{server.base_url}/completions", json=body), 503, "unavailable",

@@ -129,6 +129,13 @@ def test_a_budget_that_fits_one_model_of_two_evicts_the_idle_one(tmp_path, gemma
             listed = {m["id"]: m for m in httpx.get(f"{server.base_url}/models", timeout=30).json()["data"]}
             assert listed[model]["status"] == "loaded" and listed[other]["status"] == "unloaded"
         assert len([line for line in server.log().splitlines() if "(evicted for" in line]) == 3
+    # Startup evicts nothing: of two models to preload, the one that does not fit beside the
+    # first stays unloaded (and says why) until asked for.
+    with run_server("--models-file", str(registry(tmp_path, gemma_path, gemma={"preload": True})),
+                    "--memory-budget", str(budget), log_dir=tmp_path, startup_timeout=600) as server:
+        listed = {m["id"]: m for m in httpx.get(f"{server.base_url}/models", timeout=30).json()["data"]}
+        assert listed["smol"]["status"] == "loaded" and listed["gemma"]["status"] == "unloaded"
+        assert "gemma not loaded at startup: the model 'gemma' needs about" in server.log()
 
 
 def test_a_model_in_use_is_never_evicted_and_what_cannot_fit_is_refused_with_the_numbers(tmp_path, gemma_path):

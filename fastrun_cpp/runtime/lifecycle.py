@@ -177,13 +177,13 @@ class ModelManager:
     # ------------------------------------------------------------------ start and stop
 
     async def start(self, preload: list[str]) -> None:
-        """Load `preload` in order (those that do not fit the budget stay unloaded), then keep
-        unloading idle models past their keep-alive."""
+        """Load `preload` in order (one that does not fit beside those before it stays unloaded:
+        startup evicts nothing), then keep unloading idle models past their keep-alive."""
         self._reaper = asyncio.create_task(self._reap_forever(), name="fastrun-models")
         for model_id in preload:
             model = self._models[model_id]
             try:
-                await self.load(model)
+                await self.load(model, evict=False)
             except ModelUnavailable as exc:
                 logger.warning("%s not loaded at startup: %s", model_id, exc)
 
@@ -232,10 +232,10 @@ class ModelManager:
 
     # ------------------------------------------------------------------ load and unload
 
-    async def load(self, model: ServedModel) -> ServedModel:
+    async def load(self, model: ServedModel, *, evict: bool = True) -> ServedModel:
         """Load the model (or join its load) and wait for it, however long it takes."""
         if model.state is not ModelState.READY:
-            await asyncio.shield(self._start_load(model))
+            await asyncio.shield(self._start_load(model, evict=evict))
         return model
 
     async def unload(self, model: ServedModel) -> bool:
@@ -248,19 +248,19 @@ class ModelManager:
             await self._unload(model, "asked to")
             return True
 
-    def _start_load(self, model: ServedModel) -> asyncio.Task:
+    def _start_load(self, model: ServedModel, *, evict: bool = True) -> asyncio.Task:
         if model.loading is None or model.loading.done():
             if model.state is ModelState.FAILED and time.monotonic() - model.failed_at < FAILED_RETRY_S:
                 raise ModelUnavailable(f"the model {model.id!r} failed to load: {model.error}",
                                        int(FAILED_RETRY_S - (time.monotonic() - model.failed_at)) + 1)
             # A context of its own: not the request's that started it, which it would keep alive
             # (and with it that request's streams and the engines they point to) as long as it is kept.
-            model.loading = asyncio.create_task(self._load(model), name=f"load {model.id}",
+            model.loading = asyncio.create_task(self._load(model, evict), name=f"load {model.id}",
                                                 context=contextvars.Context())
             model.loading.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
         return model.loading
 
-    async def _load(self, model: ServedModel) -> None:
+    async def _load(self, model: ServedModel, evict: bool) -> None:
         config = model.config
         model.state, model.error = ModelState.LOADING, None
         try:
@@ -271,7 +271,7 @@ class ModelManager:
             need = _estimate(config, shape, draft)
             async with self._room:
                 model.estimate, model.reported = need, None  # counted against the budget from now on
-                await self._make_room(model)
+                await self._make_room(model, evict)
                 started, rss_before = time.perf_counter(), process_rss()
                 logger.info("loading %s (%s): about %s", model.id, path, _describe(model.estimate))
                 with BufferReport() as report:
@@ -299,11 +299,12 @@ class ModelManager:
         finally:
             self._changed.set()
 
-    async def _make_room(self, loading: ServedModel) -> None:
+    async def _make_room(self, loading: ServedModel, evict: bool) -> None:
         """Evict idle models, least recently used first, until `loading` fits (under `_room`)."""
         need = loading.estimate
         while (short := self._shortfall(loading, need)) is not None:
-            idle = sorted((m for m in self._models.values() if m is not loading and m.idle), key=lambda m: m.last_used)
+            idle = sorted((m for m in self._models.values() if m is not loading and m.idle and evict),
+                          key=lambda m: m.last_used)
             if not idle:
                 raise MemoryBudgetExceeded(self._refusal(loading, short), LOADING_RETRY_AFTER_S)
             await self._unload(idle[0], f"evicted for {loading.id} (memory budget)")
@@ -326,14 +327,15 @@ class ModelManager:
             wanted, budget, part = need.ram, self.budget.ram, lambda n: n.ram
         else:
             wanted, budget, part = need.gpu, self.budget.gpu, lambda n: n.gpu
-        holders = [(m.id, part(m.need)) for m in self._models.values() if m is not loading and m.need is not None]
-        held = ", ".join(f"{model_id} {size // mib} MiB, in use" for model_id, size in holders) or "none"
+        holders = [(m, part(m.need)) for m in self._models.values() if m is not loading and m.need is not None]
+        held = ", ".join(f"{m.id} {size // mib} MiB, {'idle' if m.idle else 'in use'}" for m, size in holders) \
+            or "none"
         where = "RAM" if short == "ram" else f"memory on GPU {short[3:]}"
         if wanted > budget:
             return (f"the model {loading.id!r} needs about {wanted // mib} MiB of {where} ({_describe(need)}), more "
                     f"than the whole memory budget of {budget // mib} MiB")
         return (f"the model {loading.id!r} needs about {wanted // mib} MiB of {where} ({_describe(need)}); the memory "
-                f"budget is {budget // mib} MiB and the models in use hold {sum(s for _, s in holders) // mib} MiB "
+                f"budget is {budget // mib} MiB and the other models hold {sum(s for _, s in holders) // mib} MiB "
                 f"({held})")
 
     async def _unload(self, model: ServedModel, why: str) -> None:
