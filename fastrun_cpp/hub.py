@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.utils import tqdm as hub_tqdm
@@ -76,10 +76,15 @@ def shard_names(filename: str) -> list[str]:
     return [f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
+def gguf_models(files: Iterable[str]) -> list[str]:
+    """The GGUF models among `files`, sorted: each plain GGUF, and the first shard of each sharded one."""
+    return sorted(f for f in files
+                  if f.endswith(".gguf") and (not _SHARD.match(f) or _SHARD.match(f)["index"] == "00001"))
+
+
 def choose_gguf(files: list[str], repo: str) -> str:
     """The one GGUF of a repository (the first shard of a sharded one)."""
-    ggufs = sorted(f for f in files if f.endswith(".gguf"))
-    first_shards = [f for f in ggufs if not _SHARD.match(f) or _SHARD.match(f)["index"] == "00001"]
+    first_shards = gguf_models(files)
     if len(first_shards) == 1:
         return first_shards[0]
     if not first_shards:
@@ -181,8 +186,7 @@ def cached_models(limit: int = 256) -> list[str]:
         snapshot = _main_snapshot(repo)
         if snapshot is None:
             continue
-        ggufs = sorted(name for name in (path.name for path in snapshot.iterdir()) if name.endswith(".gguf")
-                       and (not _SHARD.match(name) or _SHARD.match(name)["index"] == "00001"))
+        ggufs = gguf_models(path.name for path in snapshot.iterdir())
         ids += [repo] if len(ggufs) == 1 else [f"{repo}:{name}" for name in ggufs]
         if len(ids) >= limit:
             break
