@@ -71,6 +71,9 @@ class ModelConfig(StrictModel):
     ctx_size: int = Field(4096, ge=64, description="Context window of each slot, in tokens (prompt plus answer).")
     batch_size: int = Field(512, ge=16, description="Most tokens in one decode step (long prompts go in chunks).")
     threads: int | None = Field(None, ge=1, description="CPU threads; the server's --threads when unset.")
+    adapt_threads: bool = Field(
+        True, description="Run fewer CPU threads while other processes keep the cores busy (never more than "
+        "--threads): a thread waiting for a descheduled partner spins away its turn.")
     replicas: int = Field(1, ge=1, le=64, description="Engines serving the model (prefix-aware routing).")
     gpus: list[int] | None = None  # one replica per listed GPU (overrides `replicas`)
     gpu: GpuOptions = Field(default_factory=GpuOptions)
@@ -196,7 +199,7 @@ def _looks_like_a_path(value: str) -> bool:
 
 
 # Settings that override a ModelConfig field of the same name when given.
-MODEL_OVERRIDES = ("slots", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
+MODEL_OVERRIDES = ("slots", "adapt_threads", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
                    "max_queue", "queue_policy", "rope_scaling", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
                    "embedding_pooling")

@@ -144,6 +144,9 @@ class DraftModelRunner:
                     self._held[seq] = []
                 return
 
+    def set_threads(self, threads: int) -> None:
+        llama.llama_set_n_threads(self._ctx, threads, threads)
+
     def close(self) -> None:
         if self._ctx:
             llama.llama_free(self._ctx)

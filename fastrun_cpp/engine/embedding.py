@@ -152,6 +152,9 @@ class Embedder:
             self.advance(partial, len(tokens))
         return self.vector(partial)
 
+    def set_threads(self, threads: int) -> None:
+        llama.llama_set_n_threads(self._ctx, threads, threads)
+
     def close(self) -> None:
         if self._ctx:
             llama.llama_free(self._ctx)

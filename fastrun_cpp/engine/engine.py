@@ -51,6 +51,7 @@ from fastrun_cpp.engine.speculative import (
 )
 from fastrun_cpp.engine.stats import EngineStats, ThroughputMeter
 from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
+from fastrun_cpp.engine.threads import ThreadGovernor
 from fastrun_cpp.engine.ubatch import micro_batches
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class EngineConfig:
     # kernels there depend on the batch size): off in deterministic mode, so a CUDA build
     # serving a model on the CPU stays batch-invariant.
     op_offload: bool = True
+    # Run fewer threads than `threads` while other processes keep the cores busy (engine/threads.py).
+    adapt_threads: bool = True
     grammar_step_ms: float = 10.0  # a grammar taking longer for one token (128k vocabulary) ends its request
     embeddings: bool = False  # serves embeddings too
     embedding_pooling: str | None = None  # mean / cls / last; unset: the GGUF's, else mean
@@ -204,6 +207,8 @@ class Engine:
         self._acceptance = Acceptance(weight=0.1)  # over all slots: where a new request's starts
         self._throughput = ThroughputMeter()
         self._faults = faults or Faults()
+        self._thread_governor = ThreadGovernor(config.threads) if config.adapt_threads else None
+        self.stats.threads = config.threads
 
         self._lock = threading.Condition()
         self._inbox: list[WaitingRequest] = []
@@ -311,6 +316,7 @@ class Engine:
                 incoming, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
             try:
+                self._adapt_threads()
                 self._receive(incoming)
                 if aborts:
                     self._unsent.extend(self._abort(aborts))
@@ -327,6 +333,18 @@ class Engine:
                 self._flush()
         self._unsent.extend(self._fail_all("the server is shutting down"))
         self._flush()
+
+    def _adapt_threads(self) -> None:
+        threads = self._thread_governor.poll() if self._thread_governor is not None else None
+        if threads is None:
+            return
+        llama.llama_set_n_threads(self._ctx, threads, threads)
+        if isinstance(self._drafter, DraftModelRunner):
+            self._drafter.set_threads(threads)
+        if self._embedder is not None:
+            self._embedder.set_threads(threads)
+        self.stats.threads = threads
+        self.stats.thread_changes += 1
 
     def _receive(self, incoming: list[WaitingRequest]) -> None:
         # Embeddings need no slot (they run in a context of their own, between steps).
@@ -410,7 +428,7 @@ class Engine:
                     self._embedder = Embedder(
                         self.model, pooling=model_pooling(self.model, self.config.embedding_pooling),
                         max_tokens=self.config.ctx_size, chunk_tokens=self.config.batch_size,
-                        threads=self.config.threads, flash_attn=_FLASH_ATTN[self.config.flash_attn],
+                        threads=self.stats.threads, flash_attn=_FLASH_ATTN[self.config.flash_attn],
                         type_k=_CACHE_TYPES[self.config.cache_type_k],
                         type_v=_CACHE_TYPES[self.config.cache_type_v], op_offload=self.config.op_offload)
                 if job.current is None:

@@ -46,6 +46,8 @@ class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0  # whole scheduler steps
     decode_seconds: float = 0.0  # of which inside llama_decode (the rest is Python and sampling)
+    threads: int = 0  # llama.cpp runs with now (fewer than configured while other processes load the cores)
+    thread_changes: int = 0
     grammar_steps: TimeHistogram = dataclasses.field(default_factory=TimeHistogram)  # grammar CPU time per token
 
 

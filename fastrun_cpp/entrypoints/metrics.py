@@ -104,6 +104,9 @@ class _EngineCollector(Collector):
         grammar = HistogramMetricFamily(
             "fastrun_grammar_step_seconds", "CPU time a grammar took for one constrained token (check, mask, accept).",
             labels=["model"])
+        threads = GaugeMetricFamily(
+            "fastrun_engine_threads", "CPU threads the model's engines run llama.cpp with now: fewer than --threads "
+            "while other processes keep the cores busy.", labels=["model"])
         for model_id, engine in self._engines():
             for replica in engine.replica_status():
                 running.add_metric([model_id, replica["replica"]], replica["busy_slots"])
@@ -120,6 +123,7 @@ class _EngineCollector(Collector):
             hits.add_metric([model_id, "miss"], stats.misses)
             decoded.add_metric([model_id], stats.generated_tokens)
             preempted.add_metric([model_id], stats.preemptions)
+            threads.add_metric([model_id], stats.threads)
             step_time.add_metric([model_id, "llama_decode"], stats.decode_seconds)
             step_time.add_metric([model_id, "host"], max(0.0, stats.step_seconds - stats.decode_seconds))
             drafted.add_metric([model_id, "drafted"], stats.drafted_tokens)
@@ -147,4 +151,4 @@ class _EngineCollector(Collector):
                                           "Schema-to-grammar conversions killed at their time limit.")
         conversions.add_metric([], killed)
         yield from (slots, busy, queue, hits, disk_bytes, disk_events, running, waiting_gauge, kv, decoded, preempted,
-                    step_time, drafted, grammar, stuck, trials_killed, conversions)
+                    step_time, drafted, grammar, threads, stuck, trials_killed, conversions)

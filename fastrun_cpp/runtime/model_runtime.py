@@ -197,6 +197,7 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
         trained_ctx=model.n_ctx_train if model is not None else 0,
         batch_size=max(config.batch_size, config.slots),
         threads=config.threads or threads,
+        adapt_threads=config.adapt_threads,
         prompt_cache_mib=config.prompt_cache_mib,
         max_queue=config.max_queue,
         queue_policy=config.queue_policy,
