@@ -4,6 +4,7 @@ cache and limits)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -11,6 +12,7 @@ from typing import Any, AsyncIterator
 
 from sse_starlette import ServerSentEvent
 
+from fastrun_cpp.entrypoints.answer import AnswerDelta, AnswerEvents, AnswerUsage, ChoiceFinished
 from fastrun_cpp.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     MessageResponse,
@@ -27,8 +29,9 @@ from fastrun_cpp.entrypoints.anthropic.protocol import (
     ToolUseContent,
     Usage,
 )
-from fastrun_cpp.entrypoints.openai.errors import APIError, anthropic_error_body, bad_request
-from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from fastrun_cpp.entrypoints.anthropic.errors import anthropic_error_body
+from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
+from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionRequest
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
@@ -217,10 +220,13 @@ class AnthropicServingMessages:
         self.chat = chat
 
     async def count_tokens(self, request: CountTokensRequest) -> TokenCount:
-        return TokenCount(input_tokens=await self.chat.count_prompt_tokens(chat_request(request)))
+        chat = await self.chat.in_prompt_pool(chat_request, request)
+        return TokenCount(input_tokens=await self.chat.count_prompt_tokens(chat))
 
     async def create(self, request: MessagesRequest) -> MessageResponse | AsyncIterator[ServerSentEvent]:
-        result = await self.chat.chat(chat_request(request, stream=request.stream))
+        # Translating and validating a long conversation is work: off the event loop.
+        chat = await self.chat.in_prompt_pool(functools.partial(chat_request, request, stream=request.stream))
+        result = await self.chat.answer(chat)
         if isinstance(result, ChatCompletion):
             return self._message(request, result)
         record = current_record()  # the prompt is counted once queued
@@ -243,7 +249,7 @@ class AnthropicServingMessages:
             stop_sequence=choice.stop_sequence, usage=usage_of(result.usage),
         )
 
-    async def _stream(self, request: MessagesRequest, chunks: AsyncIterator[ChatCompletionChunk],
+    async def _stream(self, request: MessagesRequest, answer: AnswerEvents,
                       input_tokens: int) -> AsyncIterator[ServerSentEvent]:
         events = _MessageEvents()
         # What the cache held is known once the prompt is in a slot: message_delta splits the
@@ -255,26 +261,25 @@ class AnthropicServingMessages:
         finish_reason = stop_sequence = None
         usage = None
         try:
-            async for chunk in chunks:
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                for choice in chunk.choices:
-                    delta = choice.delta
-                    if delta.reasoning:
-                        for event in events.delta("thinking", delta.reasoning):
+            async for answer_event in answer:
+                if isinstance(answer_event, AnswerDelta):
+                    if answer_event.reasoning:
+                        for event in events.delta("thinking", answer_event.reasoning):
                             yield event
-                    if delta.content:
-                        for event in events.delta("text", delta.content):
+                    if answer_event.text:
+                        for event in events.delta("text", answer_event.text):
                             yield event
-                    for call in delta.tool_calls or []:
-                        if call.id is not None:
-                            for event in events.start_tool(call.id, call.function.name or ""):
+                    for call in answer_event.tool_calls:
+                        if call.call_id is not None:
+                            for event in events.start_tool(call.call_id, call.name or ""):
                                 yield event
-                        if call.function.arguments:
-                            for event in events.delta("tool_use", call.function.arguments):
+                        if call.arguments:
+                            for event in events.delta("tool_use", call.arguments):
                                 yield event
-                    if choice.finish_reason is not None:
-                        finish_reason, stop_sequence = choice.finish_reason, choice.stop_sequence
+                elif isinstance(answer_event, ChoiceFinished):
+                    finish_reason, stop_sequence = answer_event.finish_reason, answer_event.stop_sequence
+                elif isinstance(answer_event, AnswerUsage):
+                    usage = answer_event.usage
         except APIError as exc:
             record_stream_error(exc)
             yield ServerSentEvent(data=json.dumps(anthropic_error_body(exc.status_code, exc.message)), event="error")

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastrun_cpp.entrypoints.anthropic.errors import anthropic_error_body, is_messages_path
 from fastrun_cpp.entrypoints.openai.protocol import ErrorBody, ErrorResponse, ErrorType
 
 logger = logging.getLogger(__name__)
@@ -44,21 +45,9 @@ class APIError(Exception):
         return error_response(path, self.status_code, self.message, self.error_type, headers)
 
 
-ANTHROPIC_PREFIX = "/v1/messages"
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
-
-
-def anthropic_error_body(status_code: int, message: str) -> dict[str, Any]:
-    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
-    kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
 def error_response(path: str, status_code: int, message: str, error_type: ErrorType,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+    if is_messages_path(path):
         body = anthropic_error_body(status_code, message)
     else:
         body = error_body(status_code, message, error_type)

@@ -265,7 +265,6 @@ class ChatCompletionChunkChoice(ResponseModel):
     delta: ChatDelta
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChatChoiceLogprobs | None = None
-    stop_sequence: str | None = Field(None, exclude=True)  # which stop string ended it (for /v1/messages)
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -12,6 +12,15 @@ from typing import Any, AsyncIterator
 from fastrun_cpp.chat import ChatTemplateError
 from fastrun_cpp.chat.escape import ControlTextEscaper
 from fastrun_cpp.engine import FinishReason, GenerationOutput, GenerationRequest
+from fastrun_cpp.entrypoints.answer import (
+    AnswerDelta,
+    AnswerEvent,
+    AnswerEvents,
+    AnswerStarted,
+    AnswerUsage,
+    ChoiceFinished,
+    ToolCallPart,
+)
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.logprobs import chat_logprobs
 from fastrun_cpp.entrypoints.openai.protocol import (
@@ -149,10 +158,11 @@ class _Plan:
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[str]:
-        result = await self.chat(request)
+        result = await self.answer(request)
         if isinstance(result, ChatCompletion):
             return result
-        return self._server_sent_events(result)
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return self._server_sent_events(self._chunks(result, request.model, include_usage))
 
     @staticmethod
     async def _server_sent_events(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
@@ -165,9 +175,9 @@ class OpenAIServingChat(OpenAIServing):
             return
         yield "[DONE]"
 
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
-        """The answer to a chat request, or (streaming) its chunks, which raise APIError if
-        the engine fails mid-way. The other generating endpoints (Responses, Messages) are
+    async def answer(self, request: ChatCompletionRequest) -> ChatCompletion | AnswerEvents:
+        """The answer to a chat request, or (streaming) its neutral events, which raise APIError
+        if the engine fails mid-way. The other generating endpoints (Responses, Messages) are
         translations onto this."""
         served = await self.served_model(request.model, request.keep_alive)
         runtime = served.runtime
@@ -203,8 +213,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._stream(served, request, generation, stream, plan, include_usage)
+            return self._events(served, generation, stream, plan)
         return await self._complete(served, request, generation, stream, plan)
 
     async def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
@@ -424,58 +433,45 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletion(id=generation.request_id, created=unix_time(), model=request.model, choices=choices,
                               usage=usage_of(results))
 
-    async def _stream(self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
-                      stream: EngineStream, plan: _Plan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
-        created = unix_time()
+    async def _events(self, served: ServedModel, generation: GenerationRequest, stream: EngineStream,
+                      plan: _Plan) -> AnswerEvents:
+        """The answer as neutral events (entrypoints/answer.py), each choice parsed as it comes;
+        a choice whose tool calls end it (a repeated call, or the last allowed) stops there."""
         token_bytes = served.runtime.tokenizer.token_bytes
         parsers = [plan.parser() for _ in range(generation.n)]
         stopped: set[int] = set()
         finals: dict[int, GenerationOutput] = {}
 
-        def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None,
-                  stop: str | None = None) -> ChatCompletionChunk:
-            choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs,
-                                               stop_sequence=stop)
-            return ChatCompletionChunk(id=generation.request_id, created=created, model=request.model, choices=[choice])
-
-        def delta_of(parser: ChatOutputParser, text: str, *, final: bool = False) -> ChatDelta | None:
-            parsed = parser.feed(text, final=final)
-            if not parsed:
+        def delta_of(index: int, text: str, *, final: bool = False, logprobs=None) -> AnswerDelta | None:
+            parsed = parsers[index].feed(text, final=final)
+            if not parsed and logprobs is None:
                 return None
-            calls = [
-                ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
-                              function=FunctionCallDelta(name=c.name, arguments=c.arguments))
-                for c in parsed.tool_calls
-            ]
-            return ChatDelta(content=parsed.content or None, reasoning=parsed.reasoning or None,
-                             tool_calls=calls or None)
+            calls = tuple(ToolCallPart(call_index=c.index, call_id=c.id, name=c.name, arguments=c.arguments)
+                          for c in (parsed.tool_calls if parsed else ()))
+            return AnswerDelta(index=index, reasoning=parsed.reasoning if parsed else "",
+                               text=parsed.content if parsed else "", tool_calls=calls, logprobs=logprobs)
 
-        def finish(index: int, output: GenerationOutput) -> list[ChatCompletionChunk]:
+        def finish(index: int, output: GenerationOutput) -> list[AnswerEvent]:
             parser = parsers[index]
-            events = []
-            if index not in stopped:
-                tail = delta_of(parser, "", final=True)
-                if tail is not None:
-                    events.append(chunk(index, tail))
+            events: list[AnswerEvent] = []
+            if index not in stopped and (tail := delta_of(index, "", final=True)) is not None:
+                events.append(tail)
             answer = parser.result()
             self._check_after(plan, answer.content, answer.tool_calls)
             reason = self._finish_reason(output.finish_reason, bool(answer.tool_calls), parser.ended_with_calls)
-            events.append(chunk(index, ChatDelta(), reason, stop=output.stop_sequence))
+            events.append(ChoiceFinished(index=index, finish_reason=reason, stop_sequence=output.stop_sequence))
             return events
 
-        for index in range(generation.n):
-            yield chunk(index, ChatDelta(role="assistant", content=""))
+        yield AnswerStarted(answer_id=generation.request_id, created=unix_time(), choices=generation.n)
         async for output in self.outputs(served, stream):
             index = output.index
             if output.finished:
                 finals[index] = output
             if index in stopped:
                 continue
-            delta = delta_of(parsers[index], output.text)
-            if output.logprobs:
-                yield chunk(index, delta or ChatDelta(content=""), logprobs=chat_logprobs(token_bytes, output.logprobs))
-            elif delta is not None:
-                yield chunk(index, delta)
+            logprobs = chat_logprobs(token_bytes, output.logprobs) if output.logprobs else None
+            if (delta := delta_of(index, output.text, logprobs=logprobs)) is not None:
+                yield delta
             if parsers[index].stop_requested and not output.finished:
                 stopped.add(index)
                 stream.stop_choice(index)
@@ -486,8 +482,32 @@ class OpenAIServingChat(OpenAIServing):
             elif output.finished:
                 for event in finish(index, output):
                     yield event
-        if include_usage:
-            yield ChatCompletionChunk(
-                id=generation.request_id, created=created, model=request.model, choices=[],
-                usage=usage_of([finals[i] for i in sorted(finals)]),
-            )
+        yield AnswerUsage(usage=usage_of([finals[i] for i in sorted(finals)]))
+
+    @staticmethod
+    async def _chunks(events: AnswerEvents, model: str, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+        """The answer's events as chat chunks: each choice opens with its role."""
+        answer_id, created = "", 0
+
+        def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
+            choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+            return ChatCompletionChunk(id=answer_id, created=created, model=model, choices=[choice])
+
+        async for event in events:
+            if isinstance(event, AnswerStarted):
+                answer_id, created = event.answer_id, event.created
+                for index in range(event.choices):
+                    yield chunk(index, ChatDelta(role="assistant", content=""))
+            elif isinstance(event, AnswerDelta):
+                calls = [ToolCallDelta(index=c.call_index, id=c.call_id, type="function" if c.call_id else None,
+                                       function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                         for c in event.tool_calls]
+                delta = ChatDelta(content=event.text or None, reasoning=event.reasoning or None,
+                                  tool_calls=calls or None)
+                if event.logprobs is not None and delta.content is None and not calls and delta.reasoning is None:
+                    delta = ChatDelta(content="")
+                yield chunk(event.index, delta, logprobs=event.logprobs)
+            elif isinstance(event, ChoiceFinished):
+                yield chunk(event.index, ChatDelta(), event.finish_reason)
+            elif include_usage:
+                yield ChatCompletionChunk(id=answer_id, created=created, model=model, choices=[], usage=event.usage)

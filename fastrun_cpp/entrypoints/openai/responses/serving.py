@@ -14,7 +14,8 @@ from sse_starlette import ServerSentEvent
 
 from fastrun_cpp.auth import ActiveKey
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, model_not_found
-from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, unix_time
+from fastrun_cpp.entrypoints.answer import AnswerDelta, AnswerEvents, AnswerUsage, ChoiceFinished
+from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionRequest, unix_time
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.responses.protocol import (
     CustomTool,
@@ -294,7 +295,7 @@ class OpenAIServingResponses:
         if request.background:
             return await self._queue_background(request)
         conversation, tools, chat = await self._chat_of(request)
-        result = await self.chat.chat(chat)
+        result = await self.chat.answer(chat)
         response_id = item_id("resp")
         if isinstance(result, ChatCompletion):
             response = await self._response(request, response_id, result, tools)
@@ -308,7 +309,9 @@ class OpenAIServingResponses:
         """The whole conversation, the tools and the chat request that answers it."""
         if history is None:
             history = await self._history(request)
-        conversation = history + conversation_items(request, self.seal, _account() or "")
+        # Translating and validating a long conversation is work: off the event loop.
+        conversation = history + await self.chat.in_prompt_pool(conversation_items, request, self.seal,
+                                                                _account() or "")
         if len(conversation) > self.chat.limits.messages:
             raise bad_request(f"the conversation has {len(conversation)} items, over {self.chat.limits.messages} "
                               "(limit --limit-messages)")
@@ -316,7 +319,12 @@ class OpenAIServingResponses:
         if len(tools.functions) > self.chat.limits.tools:  # a namespace's functions count one by one
             raise bad_request(f"tools hold {len(tools.functions)} functions, namespaces included, over "
                               f"{self.chat.limits.tools} (limit --limit-tools)")
-        return conversation, tools, chat_request(request, chat_messages(request.instructions, conversation), tools)
+        chat = await self.chat.in_prompt_pool(self._translated, request, conversation, tools)
+        return conversation, tools, chat
+
+    @staticmethod
+    def _translated(request: ResponsesRequest, conversation: list[dict[str, Any]], tools: ToolSet) -> ChatCompletionRequest:
+        return chat_request(request, chat_messages(request.instructions, conversation), tools)
 
     async def _history(self, request: ResponsesRequest) -> list[dict[str, Any]]:
         history: list[dict[str, Any]] = []
@@ -357,7 +365,7 @@ class OpenAIServingResponses:
         """The job's answer as stream events (raises APIError while it cannot start, e.g. 429)."""
         request = ResponsesRequest.model_validate(job.request)
         conversation, tools, chat = await self._chat_of(request, job.conversation)
-        return self._stream(request, job.response_id, await self.chat.chat(chat), conversation, tools,
+        return self._stream(request, job.response_id, await self.chat.answer(chat), conversation, tools,
                             background=True)
 
     async def mark_background(self, job: BackgroundJob, status: str) -> None:
@@ -491,7 +499,7 @@ class OpenAIServingResponses:
         usage = await self._usage(request, result.usage, message.reasoning or "")
         return self._finish(response, self._incomplete(request, choice.finish_reason, result.usage), usage)
 
-    async def _stream(self, request: ResponsesRequest, response_id: str, chunks: AsyncIterator[ChatCompletionChunk],
+    async def _stream(self, request: ResponsesRequest, response_id: str, answer: AnswerEvents,
                       conversation: list[dict[str, Any]], tools: ToolSet, *,
                       background: bool = False) -> AsyncIterator[ServerSentEvent]:
         skeleton = self._skeleton(request, response_id, unix_time())
@@ -502,23 +510,21 @@ class OpenAIServingResponses:
         finish_reason = None
         usage = None
         try:
-            async for chunk in chunks:
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                for choice in chunk.choices:
-                    delta = choice.delta
-                    if delta.reasoning:
-                        for event in events.reasoning(delta.reasoning):
+            async for answer_event in answer:
+                if isinstance(answer_event, AnswerDelta):
+                    if answer_event.reasoning:
+                        for event in events.reasoning(answer_event.reasoning):
                             yield event
-                    if delta.content:
-                        for event in events.text(delta.content):
+                    if answer_event.text:
+                        for event in events.text(answer_event.text):
                             yield event
-                    for call in delta.tool_calls or []:
-                        for event in events.tool_call(call.index, call.id, call.function.name,
-                                                      call.function.arguments):
+                    for call in answer_event.tool_calls:
+                        for event in events.tool_call(call.call_index, call.call_id, call.name, call.arguments):
                             yield event
-                    if choice.finish_reason is not None:
-                        finish_reason = choice.finish_reason
+                elif isinstance(answer_event, ChoiceFinished):
+                    finish_reason = answer_event.finish_reason
+                elif isinstance(answer_event, AnswerUsage):
+                    usage = answer_event.usage
         except APIError as exc:
             for event in events.failed(exc):
                 yield event
