@@ -204,6 +204,8 @@ class Engine:
         self._clock = 0  # increases every admission; orders slots by recency
         self._grammar_step_ms = config.grammar_step_ms * vocabulary_scale(model.n_vocab)
         self._step_costs = StepCosts()  # what steps of each size take here: drafts pay their rows
+        # Steps cost what they cost at a thread count: each count learns its own (threads.py).
+        self._step_costs_by_threads = {config.threads: self._step_costs}
         self._acceptance = Acceptance(weight=0.1)  # over all slots: where a new request's starts
         self._throughput = ThroughputMeter()
         self._faults = faults or Faults()
@@ -343,6 +345,7 @@ class Engine:
             self._drafter.set_threads(threads)
         if self._embedder is not None:
             self._embedder.set_threads(threads)
+        self._step_costs = self._step_costs_by_threads.setdefault(threads, StepCosts())
         self.stats.threads = threads
         self.stats.thread_changes += 1
 
