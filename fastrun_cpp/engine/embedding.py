@@ -7,14 +7,20 @@ input's vector never depends on what else is in the request (or in the engine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import llama_cpp.llama_cpp as llama
 import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
-from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.errors import EngineError
+from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest
+
+logger = logging.getLogger(__name__)
 
 POOLING = {
     "mean": llama.LLAMA_POOLING_TYPE_MEAN,
@@ -159,3 +165,84 @@ class Embedder:
         if self._ctx:
             llama.llama_free(self._ctx)
             self._ctx = None
+
+
+@dataclass(eq=False)
+class _EmbedJob:
+    request: GenerationRequest
+    vectors: list[list[float]] = field(default_factory=list)
+    current: PartialEmbedding | None = None  # the input in the embeddings context now
+
+
+class EmbeddingJobs:
+    """The embedding requests of an engine, run between its decode steps. The Embedder is made
+    at the first request."""
+
+    def __init__(self, make_embedder: Callable[[], Embedder]) -> None:
+        self._make_embedder = make_embedder
+        self._embedder: Embedder | None = None
+        self._jobs: deque[_EmbedJob] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __iter__(self) -> Iterator[GenerationRequest]:
+        return (job.request for job in self._jobs)
+
+    def add(self, request: GenerationRequest) -> None:
+        self._jobs.append(_EmbedJob(request))
+
+    def step(self, budget: int, rank: Callable[[GenerationRequest], tuple],
+             charge: Callable[[GenerationRequest, int], None]) -> list[GenerationOutput]:
+        """Embed up to `budget` tokens, so embeddings take turns with running answers in pieces
+        no longer than a step's prompt chunk. The input in the embeddings context goes on first;
+        at each input's end the next is taken from the job `rank`s first (the queue's policy:
+        priorities and fair shares, as for slots), and its tokens are `charge`d to its account."""
+        outputs: list[GenerationOutput] = []
+        while budget > 0 and self._jobs:
+            job = next((job for job in self._jobs if job.current is not None), None) or \
+                min(self._jobs, key=lambda job: rank(job.request))
+            request = job.request
+            inputs = request.embed_inputs or []
+            try:
+                if self._embedder is None:
+                    self._embedder = self._make_embedder()
+                if job.current is None:
+                    job.current = self._embedder.start(inputs[len(job.vectors)])
+                used = self._embedder.advance(job.current, budget)
+                budget -= used
+                charge(request, used)
+                if job.current.done:
+                    job.vectors.append(self._embedder.vector(job.current))
+                    job.current = None
+            except Exception as exc:  # this request fails alone
+                logger.exception("embedding request %s failed", request.request_id)
+                self._jobs.remove(job)
+                outputs.append(GenerationOutput(request.request_id, finish_reason=FinishReason.ERROR, error=str(exc)))
+                continue
+            if len(job.vectors) == len(inputs):
+                self._jobs.remove(job)
+                outputs.append(GenerationOutput(request.request_id, finish_reason=FinishReason.STOP,
+                                                prompt_tokens=request.input_tokens, embeddings=job.vectors))
+        return outputs
+
+    def abort(self, request_ids: set[str]) -> list[GenerationOutput]:
+        outputs = []
+        for job in [job for job in self._jobs if job.request.request_id in request_ids]:
+            self._jobs.remove(job)
+            outputs.append(GenerationOutput(job.request.request_id, finish_reason=FinishReason.ABORTED))
+        return outputs
+
+    def fail_all(self, message: str) -> list[GenerationOutput]:
+        outputs = [GenerationOutput(job.request.request_id, finish_reason=FinishReason.ERROR, error=message)
+                   for job in self._jobs]
+        self._jobs.clear()
+        return outputs
+
+    def set_threads(self, threads: int) -> None:
+        if self._embedder is not None:
+            self._embedder.set_threads(threads)
+
+    def close(self) -> None:
+        if self._embedder is not None:
+            self._embedder.close()

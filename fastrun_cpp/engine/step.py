@@ -1,0 +1,240 @@
+"""One step on llama.cpp: the plan's rows in one batch, one `llama_decode`, and the tokens each
+choice picks from its logits, drafts verified on the way.
+
+The runner is the only part of a step that touches the context. It takes the Scheduler's plan
+(scheduler.StepPlan, by value) and hands back what the step produced (StepResult), which the
+Scheduler folds into its requests (`Scheduler.update_from_output`), as vLLM's model runner
+and scheduler split a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import llama_cpp.llama_cpp as llama
+
+from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.constraint import MasksAhead
+from fastrun_cpp.engine.errors import ConstraintError
+from fastrun_cpp.engine.faults import Faults
+from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_scale
+from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
+from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.request import NO_TOKEN, GenerationRequest
+from fastrun_cpp.engine.sampling import Candidates, SamplerChain
+from fastrun_cpp.engine.scheduler import Picked, StepPlan, StepResult
+from fastrun_cpp.engine.slot import RunningChoice
+from fastrun_cpp.engine.speculative import Drafter, DraftTurn, StepCosts, worth_verifying
+from fastrun_cpp.engine.stats import EngineStats
+from fastrun_cpp.engine.text import IncrementalDetokenizer
+from fastrun_cpp.engine.ubatch import micro_batches
+
+# What an injected decode failure returns: llama.cpp's "fatal error" range.
+INJECTED_FAILURE = -3
+# How far past --limit-grammar-step-ms a grammar may take of CPU for one token before the
+# watchdog ends its request: a runaway, not a busy machine.
+GRAMMAR_WATCHDOG_FACTOR = 10
+
+
+class StepRunner:
+    """Runs the steps of one context, on the scheduler thread. It also makes what a choice
+    samples with (`sampler`, `detokenizer`), since those are llama.cpp's and the model's."""
+
+    def __init__(self, ctx, model: LlamaModel, *, batch_size: int, n_ubatch: int, ctx_size: int,
+                 draft_max: int, drafter: Drafter | None, grammar_step_ms: float, stats: EngineStats,
+                 faults: Faults, threads: int) -> None:
+        self._ctx = ctx
+        self._model = model
+        self._batch = TokenBatch(batch_size)
+        self._n_ubatch = n_ubatch
+        self._ctx_size = ctx_size
+        self._draft_max = draft_max
+        self._drafter = drafter
+        self._candidates = Candidates(model.n_vocab)
+        self._masks_ahead = MasksAhead(workers=2)
+        self._mask_seconds: dict[int, float] = {}  # by sequence: CPU of the mask computed ahead for this step
+        self._grammar_step_ms = grammar_step_ms * vocabulary_scale(model.n_vocab)
+        self._stats = stats
+        self._faults = faults
+        # What steps of each size take here, so drafts pay their rows; steps cost what they cost
+        # at a thread count, so each count learns its own (threads.py).
+        self._step_costs_by_threads: dict[int, StepCosts] = {}
+        self.set_threads(threads)
+
+    @property
+    def capacity(self) -> int:
+        return self._batch.capacity
+
+    def set_threads(self, threads: int) -> None:
+        self._step_costs = self._step_costs_by_threads.setdefault(threads, StepCosts())
+
+    def close(self) -> None:
+        self._masks_ahead.close()
+
+    # ------------------------------------------------------------ what a choice samples with
+
+    def sampler(self, request: GenerationRequest, grammar: CompiledGrammar | None, index: int) -> SamplerChain:
+        sampling = request.sampling
+        if index and sampling.seed is not None:  # choice i of a seeded request: seed + i
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % (2**32 - 1))
+        lazy = grammar is not None and bool(grammar.triggers)
+        sampler = SamplerChain(
+            sampling,
+            n_vocab=self._model.n_vocab,
+            penalty_window=self._ctx_size,
+            grammar=grammar.instantiate() if grammar is not None and not lazy else None,
+            lazy_grammar=LazyGrammar(grammar, self._model) if lazy else None,
+        )
+        sampler.accept_prompt(request.prompt_tokens)
+        return sampler
+
+    def detokenizer(self, request: GenerationRequest) -> IncrementalDetokenizer:
+        model = self._model
+        return IncrementalDetokenizer(model.token_bytes_special if request.render_special_tokens else model.token_bytes)
+
+    # ------------------------------------------------------------------------- a step
+
+    def execute(self, plan: StepPlan, before_decode: Callable[[], None]) -> StepResult:
+        """Run the plan: draft within its rows, decode, pick. `before_decode` runs once the
+        batch is built, just before llama.cpp takes the thread."""
+        batch = self._batch
+        batch.clear()
+        logits_rows: dict[int, list[int]] = {}  # by sequence: batch indices of its logits, in position order
+        drafts, drafted, held_back = self._drafts(plan) if plan.draft_rows else ({}, [], {})
+        shape: list[tuple[int, int]] = []  # (sequence, tokens) of the decoding slots, in batch order
+        for decode in plan.decodes:
+            tokens = [decode.pending, *drafts.get(decode.seq_id, ())]
+            last = batch.add(decode.seq_id, tokens, decode.position, logits=True)
+            shape.append((decode.seq_id, len(tokens)))
+            logits_rows[decode.seq_id] = list(range(last - len(tokens) + 1, last + 1))
+        decode_rows = batch.size
+        chunk_starts: dict[int, int] = {}  # by sequence: the batch index of a scored chunk's first token
+        for chunk in plan.chunks:
+            last = batch.add(chunk.seq_id, chunk.tokens, chunk.position, logits=chunk.scored,
+                             logits_last=chunk.ends_prompt)
+            logits_rows[chunk.seq_id] = [last] if chunk.ends_prompt else []
+            if chunk.scored:
+                chunk_starts[chunk.seq_id] = last - len(chunk.tokens) + 1
+
+        # Deliver the previous step's outputs only now: their readers then run on the event
+        # loop while this thread waits in llama_decode without the GIL, instead of competing
+        # with it for the GIL while the batch is built.
+        before_decode()
+        self._masks_ahead.start({choice_seq: constraint for choice_seq, choice in self._sampled_now(plan)
+                                 if (constraint := choice.sampler.mask_ahead()) is not None})
+        started = time.perf_counter()
+        try:
+            if self._faults.decode_fails():
+                status = INJECTED_FAILURE
+            else:
+                status = llama.llama_decode(self._ctx, batch.as_llama_batch())
+            self._stats.decode_seconds += time.perf_counter() - started
+        finally:
+            self._mask_seconds = self._masks_ahead.finish()
+        result = StepResult(status, drafts, drafted, held_back, {}, {}, started, decode_rows,
+                            one_pass=batch.size == decode_rows and len(micro_batches(shape, self._n_ubatch)) == 1)
+        if status != 0:
+            return result
+        for chunk in plan.chunks:
+            if chunk.scored:
+                result.prompt_logprobs[chunk.seq_id] = self._score_prompt(chunk.choice, chunk.position,
+                                                                          chunk_starts[chunk.seq_id], len(chunk.tokens))
+        for decode in plan.decodes:
+            result.picked[decode.seq_id] = self._pick(decode.seq_id, decode.choice, logits_rows[decode.seq_id],
+                                                      drafts.get(decode.seq_id, []))
+        for chunk in plan.chunks:
+            if chunk.ends_prompt:
+                rows = logits_rows[chunk.seq_id]
+                result.picked[chunk.seq_id] = self._pick(chunk.seq_id, chunk.choice, rows, [])
+                # The other choices of the request draw their first token from the same logits
+                # with their own samplers.
+                for seq_id, follower in plan.forks.get(chunk.seq_id, ()):
+                    result.picked[seq_id] = self._pick(seq_id, follower, rows, [])
+        return result
+
+    def priced(self, result: StepResult, seconds: float) -> None:
+        """What a step of its rows took, from the decode to its outputs: a step without prompt
+        chunks that llama.cpp ran in one pass prices a pass of its rows."""
+        if result.one_pass:
+            self._step_costs.record(result.decode_rows, seconds)
+
+    @staticmethod
+    def _sampled_now(plan: StepPlan) -> list[tuple[int, RunningChoice]]:
+        return [*((d.seq_id, d.choice) for d in plan.decodes),
+                *((c.seq_id, c.choice) for c in plan.chunks if c.ends_prompt)]
+
+    def _drafts(self, plan: StepPlan) -> tuple[dict[int, list[int]], list[int], dict[int, list[int]]]:
+        """Draft tokens per slot for this step, within the rows the plan spares for them; also
+        which slots drafted, and the drafts not worth verifying."""
+        turns = {decode.seq_id: decode for decode in plan.decodes if decode.seq_id in plan.draft_turns}
+        ordered = [turns[seq] for seq in plan.draft_turns]
+        drafts = self._drafter.propose(
+            [DraftTurn(d.seq_id, d.history, d.pending, min(d.draft_room, self._draft_max)) for d in ordered],
+            plan.draft_rows)
+        # A drafted token the grammar refuses would only be verified to be thrown away.
+        for seq in list(drafts):
+            if valid := turns[seq].choice.sampler.valid_draft(drafts[seq]):
+                drafts[seq] = valid
+            else:
+                del drafts[seq]
+        kept = worth_verifying([(seq, len(draft), turns[seq].choice.acceptance.rate) for seq, draft in drafts.items()],
+                               [decode.seq_id for decode in plan.decodes], self._step_costs, self._n_ubatch)
+        held_back = {seq: draft for seq, draft in drafts.items() if seq not in kept}
+        return {seq: drafts[seq][:length] for seq, length in kept.items()}, list(drafts), held_back
+
+    def _pick(self, seq_id: int, choice: RunningChoice, rows: list[int], draft: list[int]) -> Picked:
+        """Pick the choice's tokens from this step's logits: one, or - with drafts - one per
+        position while the picks equal the drafted tokens (each drafted token accepted is one
+        decode step saved)."""
+        emitted: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if choice.request.logprobs is not None else None
+        sampler = choice.sampler
+        for position, batch_index in enumerate(rows):
+            try:
+                token = sampler.sample(self._ctx, batch_index, self._candidates)
+            except ConstraintError as exc:
+                return Picked([], None, len(draft), error=(
+                    f"the grammar cannot go on ({exc}); simplify the schema's patterns or repetitions "
+                    "(limit --limit-grammar-step-ms)"))
+            if sampler.constrained:
+                # The grammar's CPU for this token: in the step, and ahead of it (MasksAhead).
+                grammar_ms = sampler.grammar_ms + 1000 * self._mask_seconds.pop(seq_id, 0.0)
+                self._stats.grammar_steps.observe(grammar_ms / 1000)
+                # The work is bounded before it is done (llguidance's fuel: the ConstraintError
+                # above; the grammar's size and nesting, checked at compile): CPU time is only a
+                # watchdog, far past the budget, so a busy or slower machine never refuses what fits.
+                limit_ms = self._grammar_step_ms * GRAMMAR_WATCHDOG_FACTOR
+                if grammar_ms > limit_ms:
+                    return Picked([], None, len(draft), error=(
+                        f"the grammar took {grammar_ms:.0f} ms of CPU for one token, over {limit_ms:g} ms "
+                        "for this model's vocabulary (limit --limit-grammar-step-ms); simplify the schema's patterns "
+                        "or repetitions"))
+            emitted.append(token)
+            if token == NO_TOKEN or token in self._model.eog_token_ids:
+                break
+            if logprobs is not None:
+                logits = llama.llama_get_logits_ith(self._ctx, batch_index)
+                logprobs.append(token_logprob(logits, self._model.n_vocab, token, choice.request.logprobs))
+            if sampler.watching:  # a lazy grammar must see each token before the next is picked
+                choice.watched_text += choice.detokenizer.token_text(token)
+                sampler.observe(choice.watched_text)
+            if position >= len(draft) or token != draft[position]:
+                break
+        return Picked(emitted, logprobs, len(draft))
+
+    def _score_prompt(self, choice: RunningChoice, start: int, first_index: int,
+                      length: int) -> list[TokenLogprob | None]:
+        """Logprobs of the prompt tokens a chunk predicts (echo with logprobs): the logits at
+        position p give the prompt token at p + 1."""
+        prompt = choice.request.prompt_tokens
+        top_n = choice.request.prompt_logprobs
+        scored: list[TokenLogprob | None] = [None] if start == 0 else []  # the first token has nothing before it
+        for offset in range(length):
+            position = start + offset
+            if position + 1 >= len(prompt):
+                break
+            logits = llama.llama_get_logits_ith(self._ctx, first_index + offset)
+            scored.append(token_logprob(logits, self._model.n_vocab, prompt[position + 1], top_n))
+        return scored
