@@ -10,11 +10,11 @@ import pytest
 
 from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS, KVCacheManager, shared_prefix
 from fastrun_cpp.engine.prompt_cache import CachedSequence, PromptCache
-from fastrun_cpp.engine.request import GenerationRequest
+from fastrun_cpp.engine.request import FinishReason, GenerationRequest
 from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, WaitingRequest
-from fastrun_cpp.engine.scheduler import Admission, Preemption, Scheduler
+from fastrun_cpp.engine.scheduler import Admission, Picked, Preemption, Scheduler, StepResult
 from fastrun_cpp.engine.slot import RunningChoice, Slot
-from fastrun_cpp.engine.speculative import SpeculationConfig
+from fastrun_cpp.engine.speculative import NgramDrafting, SpeculationConfig
 from fastrun_cpp.engine.stats import EngineStats
 from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
 from fastrun_cpp.engine.tokens import PrefixIndex, common_prefix_length
@@ -578,3 +578,107 @@ def test_the_request_types_and_the_scheduler_load_without_libllama():
               "assert 'llama_cpp' in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------- a request's life, schedule to update
+
+
+class Choices:
+    """A ChoiceFactory without llama.cpp: no sampler (the fake step picks), one byte per token."""
+
+    def sampler(self, request, grammar, index):
+        return None
+
+    def detokenizer(self, request):
+        return IncrementalDetokenizer([bytes([ord("a") + token % 26]) for token in range(64)])
+
+
+def live_scheduler(slots: int, capacity: int):
+    speculation = SpeculationConfig(kind="ngram")
+    kv, memory, all_slots = manager(slots)
+    sched = Scheduler(all_slots, FifoQueue(), batch_capacity=capacity, speculation=speculation, ctx_size=64,
+                      kv_cache=kv, choices=Choices(), drafter=NgramDrafting(speculation), eog_token_ids=frozenset({0}))
+    return sched, kv, memory
+
+
+def run_step(sched, memory, pick, drafts=None):
+    """One step as the runner would run it: every row decoded (the fake memory takes what the
+    scheduler's sequences then hold), `pick(seq, position)` the sampled token of a row."""
+    plan = sched.schedule()
+    drafts = drafts or {}
+    picked = {}
+    for decode in plan.decodes:
+        draft = drafts.get(decode.seq_id, [])
+        tokens = []
+        for offset in range(len(draft) + 1):
+            tokens.append(pick(decode.seq_id, decode.position + offset))
+            if offset == len(draft) or tokens[-1] != draft[offset]:
+                break
+        picked[decode.seq_id] = Picked(tokens, None, drafted=len(draft))
+    for chunk in plan.chunks:
+        if chunk.ends_prompt:
+            end = chunk.position + len(chunk.tokens)
+            picked[chunk.seq_id] = Picked([pick(chunk.seq_id, end)], None)
+            for seq, _ in plan.forks.get(chunk.seq_id, ()):
+                picked[seq] = Picked([pick(seq, end)], None)
+    result = StepResult(0, {seq: list(draft) for seq, draft in drafts.items()}, list(drafts), {}, picked, {},
+                        started=0.0, decode_rows=0, one_pass=False)
+    outputs = sched.update_from_output(plan, result)
+    for slot in sched._slots:
+        memory.decode(slot)
+    return plan, outputs
+
+
+def test_a_request_lives_through_schedule_and_update_without_a_model():
+    sched, kv, memory = live_scheduler(3, capacity=8)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    request = GenerationRequest("r", prompt, n=2, max_tokens=4)
+    sched.accept(request)
+    sched.queue.push(WaitingRequest(request, None, [0, 1]))
+    assert sched.admit() == []
+    leader, follower = [slot for slot in sched._slots if not slot.is_free]
+
+    # The prompt is longer than a batch: two chunks, and only at its end does anyone pick.
+    plan, outputs = run_step(sched, memory, pick=lambda seq, position: 1 + seq)
+    assert [(chunk.seq_id, chunk.tokens, chunk.position, chunk.ends_prompt) for chunk in plan.chunks] == [
+        (leader.seq_id, prompt[:8], 0, False)]
+    assert outputs == [] and leader.choice.prompt_cursor == 8 and follower.cache_tokens == []
+    # The plan is by value: it is not the slots' state, and later steps do not change it.
+    assert plan.chunks[0].tokens is not prompt
+
+    plan, outputs = run_step(sched, memory, pick=lambda seq, position: 1 + seq)
+    assert plan.chunks[0].tokens == prompt[8:] and plan.chunks[0].ends_prompt
+    assert plan.forks == {leader.seq_id: ((follower.seq_id, follower.choice),)}
+    # The follower copied the prompt's KV and drew its own first token from the same logits.
+    assert [(o.index, o.token_ids) for o in outputs] == [(0, [1 + leader.seq_id]), (1, [1 + follower.seq_id])]
+    assert follower.cache_tokens == prompt and leader.cache_tokens == prompt
+    assert holds_exactly_its_tokens(memory, sched._slots)
+
+    # Decodes: each slot's pending token, at the sequence's end; a drafted row that is not the
+    # pick is dropped from the KV again.
+    plan, outputs = run_step(sched, memory, pick=lambda seq, position: 2, drafts={leader.seq_id: [2, 3, 4]})
+    assert [(decode.seq_id, decode.position) for decode in plan.decodes] == [(leader.seq_id, 12), (follower.seq_id, 12)]
+    assert [o.token_ids for o in outputs] == [[2, 2], [2]]  # the leader: one draft accepted, then its own pick
+    assert leader.cache_tokens == [*prompt, 1 + leader.seq_id, 2]  # pending + the accepted draft, not the rest
+    assert holds_exactly_its_tokens(memory, sched._slots)
+
+    # max_tokens ends both answers; the slots are free and keep what they computed.
+    while any(not slot.is_free for slot in sched._slots):
+        _, outputs = run_step(sched, memory, pick=lambda seq, position: 3)
+    assert all(o.finished for o in outputs) and {o.finish_reason for o in outputs} == {FinishReason.LENGTH}
+    assert leader.cache_tokens[:len(prompt)] == prompt and sched.stats.generated_tokens == 8
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on():
+    sched, kv, memory = live_scheduler(2, capacity=8)
+    for name in "ab":
+        request = GenerationRequest(name, [5, 6, 7], max_tokens=4)
+        sched.accept(request)
+        sched.queue.push(WaitingRequest(request, None, [0]))
+    sched.admit()
+    plan = sched.schedule()
+    outputs = sched.update_from_output(plan, StepResult(1, {}, [], {}, {}, {}, 0.0, 0, False))
+    assert sorted(o.request_id for o in outputs) == ["a", "b"] and all(o.error for o in outputs)
+    assert all(slot.is_free and slot.cache_tokens == [] for slot in sched._slots)
+    sched.finished(["a", "b"])
+    assert sched.load() == (0, 0)
