@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD"
 mkdir -p /tmp/gpu-build && tar xzf .gpu/src.tar.gz -C /tmp/gpu-build
-source=/tmp/gpu-build/llama_cpp_python-0.3.36
+source=/tmp/gpu-build/llama_cpp_python-$(scripts/llama_cpp_source.sh version)
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 # shellcheck disable=SC2046

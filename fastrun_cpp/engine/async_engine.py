@@ -140,9 +140,6 @@ class AsyncEngine:
     def load(self) -> tuple[int, int]:
         return self.engine.load()
 
-    def check_prompt(self, n_prompt_tokens: int) -> None:
-        self.engine.check_prompt(n_prompt_tokens)
-
     async def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request (raising CapacityError / PromptTooLongError / GrammarError before it
         is queued) and return the stream of its outputs."""

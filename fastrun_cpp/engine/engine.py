@@ -25,7 +25,7 @@ from fastrun_cpp.engine.context import CACHE_TYPES, FLASH_ATTN, micro_batch_size
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.embedding import Embedder, EmbeddingJobs, model_pooling
-from fastrun_cpp.engine.errors import EngineError, PromptTooLongError
+from fastrun_cpp.engine.errors import EngineError, PromptTooLongError, check_prompt_length
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import CompiledGrammar
 from fastrun_cpp.engine.kv_cache import KVCacheManager, LlamaSequenceMemory
@@ -146,16 +146,6 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def check_prompt(self, n_prompt_tokens: int) -> None:
-        if n_prompt_tokens == 0:
-            raise PromptTooLongError("the prompt is empty")
-        if n_prompt_tokens >= self.config.ctx_size:
-            # Worded as Anthropic's, which Claude Code reads to compact its history.
-            raise PromptTooLongError(
-                f"prompt is too long: {n_prompt_tokens} tokens > {self.config.ctx_size - 1} maximum (the context "
-                f"window is {self.config.ctx_size} tokens, prompt and answer together)"
-            )
-
     def check_embed_inputs(self, inputs: list[list[int]]) -> None:
         if not self.config.embeddings:
             raise EngineError("this model does not serve embeddings")
@@ -173,8 +163,8 @@ class Engine:
         when slots and wait queue are all taken."""
         if request.kind == "embed":
             self.check_embed_inputs(request.embed_inputs or [])
-        else:
-            self.check_prompt(len(request.prompt_tokens))
+        else:  # the serving layer checked it too, with its 400; the engine trusts no caller
+            check_prompt_length(len(request.prompt_tokens), self.config.ctx_size)
         if (grammar is None) != (request.grammar is None):
             raise ValueError("a request with a grammar needs it compiled")
         with self._lock:

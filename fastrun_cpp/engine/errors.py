@@ -16,6 +16,19 @@ class PromptTooLongError(EngineError, ValueError):
     """A prompt (or an input to embed) is empty or does not fit the context window."""
 
 
+def check_prompt_length(n_prompt_tokens: int, context: int) -> None:
+    """The one check of a prompt's length against a context window of `context` tokens (prompt
+    and answer together); raises PromptTooLongError."""
+    if n_prompt_tokens == 0:
+        raise PromptTooLongError("the prompt is empty")
+    if n_prompt_tokens >= context:
+        # Worded as Anthropic's, which Claude Code reads to compact its history.
+        raise PromptTooLongError(
+            f"prompt is too long: {n_prompt_tokens} tokens > {context - 1} maximum (the context "
+            f"window is {context} tokens, prompt and answer together)"
+        )
+
+
 class CapacityError(EngineError):
     """Every slot is busy and the wait queue is full; with `over_share`, the account asking holds
     its fair share of them while other accounts wait (they still get in)."""

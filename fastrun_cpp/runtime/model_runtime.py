@@ -12,7 +12,8 @@ from pathlib import Path
 import llama_cpp
 
 from fastrun_cpp.chat import ChatTemplate
-from fastrun_cpp.engine import AsyncEngine, EngineConfig, Faults, LlamaModel, PromptTooLongError
+from fastrun_cpp.engine import AsyncEngine, EngineConfig, Faults, LlamaModel
+from fastrun_cpp.engine.errors import check_prompt_length
 from fastrun_cpp.engine.backend import system_info
 from fastrun_cpp.engine.disk_cache import IDENTITIES_FILE, DiskPromptCache, file_identity, namespace_of
 from fastrun_cpp.engine.grammar import GrammarCompiler
@@ -72,14 +73,7 @@ class ModelRuntime:
         self._weights = weights
 
     def check_prompt(self, n_prompt_tokens: int) -> None:
-        if n_prompt_tokens == 0:
-            raise PromptTooLongError("the prompt is empty")
-        if n_prompt_tokens >= self.info.max_context:
-            # Worded as Anthropic's, which Claude Code reads to compact its history.
-            raise PromptTooLongError(
-                f"prompt is too long: {n_prompt_tokens} tokens > {self.info.max_context - 1} maximum (the context "
-                f"window is {self.info.max_context} tokens, prompt and answer together)"
-            )
+        check_prompt_length(n_prompt_tokens, self.info.max_context)
 
     async def close(self) -> None:
         await self.engine.shutdown()
