@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import llama_cpp.llama_cpp as llama
 import numpy as np
@@ -185,9 +185,6 @@ class EmbeddingJobs:
 
     def __bool__(self) -> bool:
         return bool(self._jobs)
-
-    def __iter__(self) -> Iterator[GenerationRequest]:
-        return (job.request for job in self._jobs)
 
     def add(self, request: GenerationRequest) -> None:
         self._jobs.append(_EmbedJob(request))
