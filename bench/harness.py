@@ -22,6 +22,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / ".bench" / "llama-server"
+LLAMA_QUANTIZE = ROOT / ".bench" / "llama-quantize"  # built beside llama-server (build_llama_server.sh)
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -29,6 +30,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def large_model(like: Path, shape: str = "llama-3.2-3b", quantization: str = "Q4_K_M") -> Path:
+    """A model of a real architecture and size, random weights (fastrun_cpp/tiny_model.py's
+    `shape`), quantized by llama.cpp's own quantizer as users quantize: where decoding is bound
+    by memory bandwidth, as on real models. Made once (a few minutes), kept in .bench/."""
+    path = ROOT / ".bench" / f"random-{shape}-{quantization.lower()}.gguf"
+    if path.exists():
+        return path
+    from fastrun_cpp.tiny_model import SHAPES, write_tiny_model
+
+    if not LLAMA_QUANTIZE.exists():
+        raise SystemExit(f"{LLAMA_QUANTIZE} is missing: run bench/build_llama_server.sh first")
+    f16 = path.with_suffix(".f16.gguf")
+    import numpy as np
+
+    write_tiny_model(f16, like, shape=SHAPES[shape], dtype=np.float16)
+    partial = path.with_suffix(".partial")
+    subprocess.run([str(LLAMA_QUANTIZE), str(f16), str(partial), quantization], check=True,
+                   stdout=subprocess.DEVNULL)
+    partial.rename(path)
+    f16.unlink()
+    return path
 
 
 @dataclass

@@ -27,7 +27,8 @@ tokens/s pooled over the repeats).
 
 Models: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, and `tiny` (fastrun_cpp/tiny_model.py: 2 layers,
 64 wide, random weights, SmolLM2's tokenizer; prefill and decode cells only), whose cells measure
-each server's own per-token overhead rather than the model.
+each server's own per-token overhead rather than the model; and, when named, `random-3b` (Llama
+3.2 3B's shape, random weights, Q4_K_M, about 1.8 GB), whose decode is bound by memory bandwidth.
 
 With --base-ref, fastrun-cpp at commit REV (a git worktree) runs beside this commit, both ways,
 and a second table per model gives this commit against it: the before and after of a change.
@@ -56,7 +57,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import speculative, structured  # noqa: E402
-from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, running  # noqa: E402
+from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, large_model, running  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 SLOTS = 16
@@ -79,6 +80,9 @@ PAIRS = {"no speculation": ("fastrun-cpp no-spec", "llama-server"),
 # mean anything. The tiny one costs almost nothing per token, so what is left is each server's
 # own work per token, as a fast GPU would leave it visible.
 RANDOM_GROUPS = {"prefill", "decode", "sampled"}
+# Llama 3.2 3B's shape, random weights, Q4_K_M (bench/harness.py large_model): a model whose
+# decode is bound by memory bandwidth, as real models of its size are (bench/bandwidth.py).
+LARGE = "random-3b"
 
 
 def cold_document(tokens: int) -> str:
@@ -183,18 +187,22 @@ def tiny_model(like: Path) -> Path:
 
 
 def groups_for(server: str, groups: list[str]) -> list[str]:
-    """Prefill for the default servers only (speculation plays no part in a first token);
-    every other group for all of them."""
-    if server in ("fastrun-cpp", "llama-server") or (server.startswith("fastrun-cpp@") and "no-spec" not in server):
-        return groups
-    return [group for group in groups if group != "prefill"]
+    """Prefill for the default servers only (speculation plays no part in a first token), and
+    last: its long prompts, cached in slots, would cost the next cells their eviction to the
+    host tier (a save of every one, a one-time stall) on the servers that ran it and not on the
+    others. Every other group for all of them, in the same order."""
+    ordered = [group for group in groups if group != "prefill"]
+    if "prefill" in groups and (server in ("fastrun-cpp", "llama-server") or
+                                (server.startswith("fastrun-cpp@") and "no-spec" not in server)):
+        ordered.append("prefill")
+    return ordered
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", default="smollm2,gemma,tiny",
-                        help="smollm2, gemma, tiny, or NAME=PATH (a GGUF; random weights: name it random-*)")
+                        help=f"smollm2, gemma, tiny, {LARGE}, or NAME=PATH (a GGUF; random weights: name it random-*)")
     parser.add_argument("--decode-levels", default="1,8,16", help="concurrencies of the decode cells")
     parser.add_argument("--slots", type=int, default=SLOTS)
     parser.add_argument("--llama-server-args", default="", help="more llama-server flags, e.g. '-ngl 999'")
@@ -228,6 +236,8 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
         name, _, path = entry.partition("=")
         if path:
             paths[name] = Path(path)
+        elif name == LARGE:
+            paths[name] = large_model(paths["smollm2"])
         models.append(name)
     cells_of = {**GROUPS, "decode": {f"decode c={level}": int(level) for level in args.decode_levels.split(",")}}
     slots, more = args.slots, tuple(args.llama_server_args.split())
@@ -239,7 +249,9 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
         "fastrun-cpp no-spec": ServerSpec("fastrun-cpp", slots, CTX, args.threads,
                                           extra_args=("--spec-type", "none", *ours), label="fastrun-cpp-no-spec"),
         "llama-server": ServerSpec("llama-server", slots, CTX, args.threads, extra_args=more),
-        "llama-server ngram-mod": ServerSpec("llama-server", slots, CTX, args.threads,
+        # Its own default batch (2048; its micro-batch stays 512): with ours (512) it aborts at c=16
+        # ("batch must be large enough to hold the sampled and draft tokens": 16 x 65 rows).
+        "llama-server ngram-mod": ServerSpec("llama-server", slots, CTX, args.threads, batch_size=2048,
                                              extra_args=("--spec-type", "ngram-mod", *more),
                                              label="llama-server-ngram-mod"),
     }

@@ -19,7 +19,11 @@ TINY = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "h
 # (a GPU machine that downloads nothing).
 SMOLLM2_135M = {"block_count": 30, "embedding_length": 576, "feed_forward_length": 1536, "head_count": 9,
                 "head_count_kv": 3, "context_length": 8192}
-SHAPES = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M}
+# Llama 3.2 3B's shape (with SmolLM2's 49k vocabulary): about 1.8 GB at Q4_K_M, large enough that
+# decoding on a CPU is bound by memory bandwidth, as real models are (bench/bandwidth.py).
+LLAMA32_3B = {"block_count": 28, "embedding_length": 3072, "feed_forward_length": 8192, "head_count": 24,
+              "head_count_kv": 8, "context_length": 8192}
+SHAPES = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M, "llama-3.2-3b": LLAMA32_3B}
 
 
 def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0, shape: dict = TINY,
