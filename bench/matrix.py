@@ -25,7 +25,8 @@ Cells (streamed chats, default fastrun-cpp settings otherwise: exact mode):
 Every cell repeats until it has lasted MIN_CELL_S and given MIN_ANSWERS answers (median TTFT;
 tokens/s pooled over the repeats).
 
-Models: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M, and `tiny` (fastrun_cpp/tiny_model.py: 2 layers,
+Models: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M (its GGUF has no chat template: both servers get
+Gemma 3's, bench/templates/gemma3.jinja), and `tiny` (fastrun_cpp/tiny_model.py: 2 layers,
 64 wide, random weights, SmolLM2's tokenizer; prefill and decode cells only), whose cells measure
 each server's own per-token overhead rather than the model; and, when named, `random-3b` (Llama
 3.2 3B's shape, random weights, Q4_K_M, about 1.8 GB), whose decode is bound by memory bandwidth.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import statistics
@@ -80,6 +82,10 @@ PAIRS = {"no speculation": ("fastrun-cpp no-spec", "llama-server"),
 # mean anything. The tiny one costs almost nothing per token, so what is left is each server's
 # own work per token, as a fast GPU would leave it visible.
 RANDOM_GROUPS = {"prefill", "decode", "sampled"}
+# The chat template a GGUF lacks, given to both servers (each takes --chat-template-file): without
+# it both fall back to ChatML, which Gemma 3 answers with a loop of turn markers, so its copy
+# cells would measure the loop.
+TEMPLATES = {"gemma": ROOT / "bench" / "templates" / "gemma3.jinja"}
 # Llama 3.2 3B's shape, random weights, Q4_K_M (bench/harness.py large_model): a model whose
 # decode is bound by memory bandwidth, as real models of its size are (bench/bandwidth.py).
 LARGE = "random-3b"
@@ -279,7 +285,11 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
                           if not (model == "tiny" or model.startswith("random")) or group in RANDOM_GROUPS]
                 if not wanted:
                     continue
-                with running(servers[name], paths[model], env=env, cwd=checkouts.get(name)) as server:
+                spec = servers[name]
+                if model in TEMPLATES:
+                    spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--chat-template-file",
+                                                                 str(TEMPLATES[model])))
+                with running(spec, paths[model], env=env, cwd=checkouts.get(name)) as server:
                     base = server.base_url
                     asyncio.run(run_cell(base, "decode", "decode c=1"))  # warm-up
                     for group in wanted:
