@@ -622,7 +622,7 @@ def run_step(sched, memory, pick, drafts=None):
             for seq, _ in plan.forks.get(chunk.seq_id, ()):
                 picked[seq] = Picked([pick(seq, end)], None)
     result = StepResult(0, {seq: list(draft) for seq, draft in drafts.items()}, list(drafts), {}, picked, {},
-                        started=0.0, decode_rows=0, one_pass=False)
+                        started=0.0, passes=())
     outputs = sched.update_from_output(plan, result)
     for slot in sched._slots:
         memory.decode(slot)
@@ -677,7 +677,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on():
         sched.queue.push(WaitingRequest(request, None, [0]))
     sched.admit()
     plan = sched.schedule()
-    outputs = sched.update_from_output(plan, StepResult(1, {}, [], {}, {}, {}, 0.0, 0, False))
+    outputs = sched.update_from_output(plan, StepResult(1, {}, [], {}, {}, {}, 0.0, ()))
     assert sorted(o.request_id for o in outputs) == ["a", "b"] and all(o.error for o in outputs)
     assert all(slot.is_free and slot.cache_tokens == [] for slot in sched._slots)
     sched.finished(["a", "b"])

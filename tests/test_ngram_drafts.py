@@ -5,7 +5,14 @@ measured step costs (each rejected row costs a CPU about half a decode step, a G
 
 from __future__ import annotations
 
-from fastrun_cpp.engine.speculative import Acceptance, NgramDrafter, SpeculationConfig, StepCosts, worth_verifying
+from fastrun_cpp.engine.speculative import (
+    Acceptance,
+    NgramDrafter,
+    SpeculationConfig,
+    StepCosts,
+    expected_accepted,
+    worth_verifying,
+)
 
 CONFIG = SpeculationConfig(draft_max=8, draft_min=2, ngram_min=3, match_min=5)
 
@@ -103,6 +110,55 @@ def test_step_costs_interpolate_and_stay_optimistic_past_what_was_measured():
     assert measured.estimate(1) == 0.020 and measured.estimate(12) == 0.040  # tried, then measured
     measured.record(6, 0.050)
     assert 0.040 < measured.estimate(6) < 0.050  # a moving average: one slow step does not rule
+
+
+def test_a_size_measured_once_too_slow_is_tried_again_and_drafts_come_back():
+    # One 11-row step took 445 ms (a pause): alone, it would keep 10-token drafts out for good.
+    measured = costs({1: 0.022, 11: 0.445})
+    draft = [(0, 10, 0.95)]
+    assert worth_verifying(draft, [0], measured, 512) == {}
+    for _ in range(StepCosts.RETRY_STEPS):
+        measured.passed()
+        measured.record(1, 0.022)  # plain steps go on being measured
+        assert worth_verifying(draft, [0], measured, 512) == {}
+    measured.passed()
+    assert worth_verifying(draft, [0], measured, 512) == {0: 10}  # tried again
+    measured.record(11, 0.060)  # and measured afresh
+    assert measured.estimate(11) == 0.060
+    assert worth_verifying(draft, [0], measured, 512) == {0: 10}
+
+
+def test_a_pass_that_only_runs_beside_others_is_priced_from_the_steps_it_runs_in():
+    # 8 slots decoding, 3 adjacent ones drafting 12 tokens: a pass of 8 rows, then one of 36.
+    # 36 rows never run alone, so until a step of both is priced, 36 is guessed at 8's cost.
+    measured = costs({8: 0.050})
+    drafts = [(slot, 12, 0.9) for slot in range(3)]
+    assert worth_verifying(drafts, list(range(8)), measured, 512) == dict.fromkeys(range(3), 12)
+    measured.record_step((8, 36), 0.050 + 0.200)
+    assert abs(measured.estimate(36) - 0.200) < 1e-9
+    assert worth_verifying(drafts, list(range(8)), measured, 512) == {}  # 8 + 19 expected tokens in 250 ms: not worth it
+
+
+def test_a_measurement_that_keeps_agreeing_holds_longer():
+    measured = costs({1: 0.022})
+    for _ in range(4):  # agreeing measurements, a step apart
+        measured.passed()
+        measured.record(1, 0.023)
+    for _ in range(2 * StepCosts.RETRY_STEPS):
+        measured.passed()
+    assert measured.estimate(1) is not None
+    # A step far faster than the estimate is taken at once: slow ones were pauses.
+    measured.record(1, 0.010)
+    assert measured.estimate(1) == 0.010
+
+
+def test_a_long_draft_is_expected_to_yield_less_than_its_length_times_its_rate():
+    # 9 in 10 tokens taken: 8 drafted yield 5.1, 64 drafted 9.0, not 57.6.
+    assert abs(expected_accepted(0.9, 8) - 5.13) < 0.01 and abs(expected_accepted(0.9, 64) - 8.99) < 0.01
+    assert expected_accepted(1.0, 64) == 64
+    rate = Acceptance(0.5, weight=1.0)
+    rate.verified(13, 6)  # 6 taken, the 7th refused
+    assert rate.rate == 6 / 7
 
 
 def test_one_stream_on_a_cpu_verifies_only_drafts_likely_to_be_accepted():

@@ -136,8 +136,9 @@ class StepResult:
     picked: dict[int, Picked]  # by sequence: decodes, ends of prompts, then their followers
     prompt_logprobs: dict[int, list[TokenLogprob | None]]  # echo: what this step's chunks predict
     started: float  # when the decode began (perf_counter)
-    decode_rows: int  # rows of decoding slots, drafts included
-    one_pass: bool  # only decode rows, run by llama.cpp in one pass: the step prices its rows
+    # The rows of each pass over the weights llama.cpp made of a step that read no prompt
+    # (ubatch.py): what the step prices. Empty for a step that read prompt chunks.
+    passes: tuple[int, ...]
 
 
 class ChoiceFactory(Protocol):

@@ -79,11 +79,14 @@ class SpeculationConfig:
 
 
 class Acceptance:
-    """A recent share of drafted tokens accepted: a slot's, starting from the engine's (which
-    starts optimistic, so a fresh engine tries its first drafts). A draft the cost gate holds
-    back is checked against the tokens that come instead, as if it had been verified: the
-    share keeps learning while nothing is verified, so a stream whose text turns copyable again
-    has its drafts verified again as soon as they would have been accepted."""
+    """How likely a drafted token is to be accepted once the ones before it were, recently: a
+    slot's, starting from the engine's (which starts optimistic, so a fresh engine tries its
+    first drafts). A draft of 13 with 6 accepted tried 7 tokens and lost 1: a token was taken
+    6 times in 7, not 6 in 13, and a longer draft of the same text yields less than its length
+    times that (`expected_accepted`). A draft the cost gate holds back is checked against the
+    tokens that come instead, as if it had been verified: the rate keeps learning while
+    nothing is verified, so a stream whose text turns copyable again has its drafts verified
+    again as soon as they would have been accepted."""
 
     def __init__(self, rate: float = 1.0, weight: float = 0.5) -> None:
         self.rate = rate
@@ -93,7 +96,8 @@ class Acceptance:
 
     def verified(self, drafted: int, accepted: int) -> None:
         if drafted:
-            self.rate += self._weight * (accepted / drafted - self.rate)
+            tried = accepted + (accepted < drafted)  # the accepted ones and the first refused
+            self.rate += self._weight * (accepted / tried - self.rate)
 
     def held_back(self, draft: list[int]) -> None:
         if not self._held:
@@ -122,19 +126,60 @@ class StepCosts:
     """Seconds one pass over the weights takes by its number of rows, learned from this
     engine's own steps that llama.cpp ran as one micro-batch (ubatch.py). A size not measured
     yet is interpolated between its measured neighbours, and past the largest taken as the
-    largest: optimistic, so that each size gets tried, and then measured."""
+    largest: optimistic, so that each size gets tried, and then measured.
+
+    A size the gate stops verifying is never measured again, so one slow step (a pause of the
+    process, a burst of other work) would shut drafts of that size and every larger one out
+    for good. So a measurement holds for a while only - RETRY_STEPS steps after a single one,
+    twice as long after each that agrees with it - and then the size counts as unmeasured
+    again, is tried once more and measured afresh."""
 
     WEIGHT = 0.2
+    RETRY_STEPS = 32
+    RETRY_MAX_STEPS = 4096
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._measured_at: dict[int, int] = {}  # the step of a size's last measurement
+        self._holds: dict[int, int] = {}  # steps its measurement holds
+        self._step = 0
+
+    def passed(self) -> None:
+        """A step went by (measured or not)."""
+        self._step += 1
 
     def record(self, rows: int, seconds: float) -> None:
         previous = self._seconds.get(rows)
-        self._seconds[rows] = seconds if previous is None else previous + self.WEIGHT * (seconds - previous)
+        # New, stale, or far faster than thought (steps are slowed by pauses, never sped up):
+        # taken as it is.
+        if previous is None or not self._holding(rows) or seconds < 0.75 * previous:
+            self._seconds[rows], self._holds[rows] = seconds, self.RETRY_STEPS
+        else:
+            self._seconds[rows] = previous + self.WEIGHT * (seconds - previous)
+            agrees = seconds <= 1.25 * previous
+            self._holds[rows] = min(self.RETRY_MAX_STEPS, 2 * self._holds[rows]) if agrees else self.RETRY_STEPS
+        self._measured_at[rows] = self._step
+
+    def record_step(self, passes: tuple[int, ...], seconds: float) -> None:
+        """A step of these passes (their rows) took `seconds`. One pass prices its size. Of
+        several (a draft's rows beside plain decodes take a pass of their own), the largest is
+        priced at what the others, at their estimates, leave of the step: a size that only ever
+        runs beside others is measured too, instead of staying at its optimistic guess."""
+        if len(passes) == 1:
+            self.record(passes[0], seconds)
+            return
+        largest = max(passes)
+        others = list(passes)
+        others.remove(largest)
+        known = self.estimate_step(others)
+        if known is not None and seconds > known:
+            self.record(largest, seconds - known)
+
+    def _holding(self, rows: int) -> bool:
+        return self._step - self._measured_at[rows] <= self._holds[rows]
 
     def estimate(self, rows: int) -> float | None:
-        known = self._seconds
+        known = {size: seconds for size, seconds in self._seconds.items() if self._holding(size)}
         if rows in known:
             return known[rows]
         below = max((size for size in known if size < rows), default=None)
@@ -151,13 +196,27 @@ class StepCosts:
         return None if None in passes else sum(passes)
 
 
+VERIFY_MARGIN = 0.1
+
+
+def expected_accepted(rate: float, length: int) -> float:
+    """Tokens a draft of `length` is expected to have accepted when each is with probability
+    `rate` once the ones before it were: rate + rate^2 + ... + rate^length (the usual estimate
+    of speculative decoding)."""
+    if rate >= 1.0:
+        return float(length)
+    return rate * (1 - rate**length) / (1 - rate)
+
+
 def worth_verifying(drafts: list[tuple[int, int, float]], decoding: list[int], costs: StepCosts,
                     n_ubatch: int) -> dict[int, int]:
     """The drafts to verify in a step whose decoding slots are `decoding` (sequence ids, in
     batch order), and how many tokens of each: `drafts` holds (sequence id, length, the slot's
     acceptance rate). Verified drafts are those that raise the tokens the step is expected to
-    yield per second - every decode token counts 1, a draft its length times its acceptance -
-    because each row verified slows the step, and so every slot's next token. The step is
+    yield per second - every decode token counts 1, a draft what it is expected to have
+    accepted (`expected_accepted`) -
+    by more than VERIFY_MARGIN, because each row verified slows the step, and so every slot's
+    next token. The step is
     priced as llama.cpp runs it, a pass per micro-batch (ubatch.py): drafts beside plain
     decodes take a pass of their own, which equally long drafts of adjacent slots share. So
     the kept drafts are cut to one length: the best set of the most accepted drafts at the
@@ -173,13 +232,16 @@ def worth_verifying(drafts: list[tuple[int, int, float]], decoding: list[int], c
     plain = step_cost([], 0)
     if plain is None:  # nothing measured yet: verify them, and so measure
         return {seq: length for seq, length, _ in drafts}
-    best_rate, kept = len(decoding) / plain, {}
+    # Drafts must beat the plain step by a margin: the figures they are priced with are
+    # estimates (a recent acceptance, steps that vary), and a draft that barely pays on paper
+    # costs as often as it gains.
+    best_rate, kept = (1 + VERIFY_MARGIN) * len(decoding) / plain, {}
     ranked = sorted(drafts, key=lambda draft: -draft[2])
     for length in sorted({length for _, length, _ in drafts}):
         candidates = [draft for draft in ranked if draft[1] >= length]
         gain = 0.0
         for count in range(1, len(candidates) + 1):
-            gain += candidates[count - 1][2] * length
+            gain += expected_accepted(candidates[count - 1][2], length)
             rate = (len(decoding) + gain) / step_cost(candidates[:count], length)
             if rate > best_rate:
                 best_rate, kept = rate, {seq: length for seq, _, _ in candidates[:count]}

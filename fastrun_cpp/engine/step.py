@@ -133,8 +133,8 @@ class StepRunner:
             self._stats.decode_seconds += time.perf_counter() - started
         finally:
             self._mask_seconds = self._masks_ahead.finish()
-        result = StepResult(status, drafts, drafted, held_back, {}, {}, started, decode_rows,
-                            one_pass=batch.size == decode_rows and len(micro_batches(shape, self._n_ubatch)) == 1)
+        result = StepResult(status, drafts, drafted, held_back, {}, {}, started,
+                            passes=tuple(micro_batches(shape, self._n_ubatch)) if batch.size == decode_rows else ())
         if status != 0:
             return result
         for chunk in plan.chunks:
@@ -155,10 +155,11 @@ class StepRunner:
         return result
 
     def priced(self, result: StepResult, seconds: float) -> None:
-        """What a step of its rows took, from the decode to its outputs: a step without prompt
-        chunks that llama.cpp ran in one pass prices a pass of its rows."""
-        if result.one_pass:
-            self._step_costs.record(result.decode_rows, seconds)
+        """What a step took, from the decode to its outputs: a step without prompt chunks
+        prices its passes (StepCosts.record_step)."""
+        self._step_costs.passed()
+        if result.passes:
+            self._step_costs.record_step(result.passes, seconds)
 
     @staticmethod
     def _sampled_now(plan: StepPlan) -> list[tuple[int, RunningChoice]]:
