@@ -210,6 +210,8 @@ def main() -> int:
     parser.add_argument("--models", default="smollm2,gemma,tiny",
                         help=f"smollm2, gemma, tiny, {LARGE}, or NAME=PATH (a GGUF; random weights: name it random-*)")
     parser.add_argument("--decode-levels", default="1,8,16", help="concurrencies of the decode cells")
+    parser.add_argument("--prefill-cells", default=",".join(PREFILL),
+                        help="which prefill cells (a large model's 4.5k-token prompts take minutes each)")
     parser.add_argument("--slots", type=int, default=SLOTS)
     parser.add_argument("--llama-server-args", default="", help="more llama-server flags, e.g. '-ngl 999'")
     parser.add_argument("--cells", default=",".join(GROUPS), help="groups of cells: " + ", ".join(GROUPS))
@@ -245,7 +247,8 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
         elif name == LARGE:
             paths[name] = large_model(paths["smollm2"])
         models.append(name)
-    cells_of = {**GROUPS, "decode": {f"decode c={level}": int(level) for level in args.decode_levels.split(",")}}
+    cells_of = {**GROUPS, "decode": {f"decode c={level}": int(level) for level in args.decode_levels.split(",")},
+                "prefill": {cell: PREFILL[cell] for cell in args.prefill_cells.split(",")}}
     slots, more = args.slots, tuple(args.llama_server_args.split())
     groups = [group for group in args.cells.split(",") if group]
     env = {"FASTRUN_KEYS_DB": str(Path(tempfile.mkdtemp(prefix="fastrun-matrix-")) / "keys.sqlite3")}
