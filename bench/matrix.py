@@ -17,7 +17,8 @@ Cells (streamed chats, default fastrun-cpp settings otherwise: exact mode):
 - prefill-1k / -2k / -4.5k: time to first token of a cold prompt (a fresh nonce in front, so no
   cache on either side holds any of it); ratio = llama-server's TTFT / ours;
 - decode c=1 / c=8 / c=16: aggregate tokens/s of that many 128-token answers at once, at
-  temperature 0; sampled c=…: the same at temperature 0.7, each answer seeded;
+  temperature 0, each to a prompt its server has not seen before; sampled c=…: the same at
+  temperature 0.7, each answer seeded;
 - json_schema c=1, required-tool c=1: per-stream decode tokens/s after the first token;
 - copy c=1, records c=1, code-edit c=1: decode tokens/s of answers that restate the prompt
   (bench/speculative.py's workloads: a passage, a list of similar records, a file with one name
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import platform
 import statistics
@@ -99,8 +101,23 @@ def cold_document(tokens: int) -> str:
     return f"Batch {uuid.uuid4().hex}.\n" + "\n".join(sentences)
 
 
+# Every decode and sampled prompt of a run is new to the server that answers it. llama-server's
+# ngram-mod keeps the n-grams of everything a slot generated before; asked a prompt again at
+# temperature 0 (8 topics, a warm-up, repeats), it drafts its own earlier answer word for word,
+# which measures a replay, not decoding (seen: 1.9x its plain rate on a random-weight model
+# whose answers never repeat within themselves).
+PROMPT_NUMBERS = itertools.count()
+
+
+def decode_body(_: int) -> dict:
+    number = next(PROMPT_NUMBERS)
+    body = speculative.chat_body(number)
+    body["messages"][0]["content"] = body["messages"][0]["content"].removesuffix(".") + f", set in the year {1000 + number}."
+    return body
+
+
 def sampled_body(index: int) -> dict:
-    return {**speculative.chat_body(index), "temperature": 0.7, "seed": 1000 + index}
+    return {**decode_body(index), "temperature": 0.7, "seed": 1000 + index}
 
 
 async def run_cell(base_url: str, group: str, cell: str) -> tuple[float, list[dict]]:
@@ -120,7 +137,7 @@ async def run_cell(base_url: str, group: str, cell: str) -> tuple[float, list[di
                 answers.append(await speculative.answer(client, base_url, body))
             elif group in ("decode", "sampled"):
                 count = int(cell.rsplit("=", 1)[1])
-                make = speculative.chat_body if group == "decode" else sampled_body
+                make = decode_body if group == "decode" else sampled_body
                 answers.extend(await asyncio.gather(*(speculative.answer(client, base_url, make(len(answers) + i))
                                                       for i in range(count))))
             elif group == "constrained":
@@ -209,7 +226,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", default="smollm2,gemma,tiny",
                         help=f"smollm2, gemma, tiny, {LARGE}, or NAME=PATH (a GGUF; random weights: name it random-*)")
-    parser.add_argument("--decode-levels", default="1,8,16", help="concurrencies of the decode cells")
+    parser.add_argument("--decode-levels", default="1,8,16", help="concurrencies of the decode and sampled cells")
     parser.add_argument("--prefill-cells", default=",".join(PREFILL),
                         help="which prefill cells (a large model's 4.5k-token prompts take minutes each)")
     parser.add_argument("--slots", type=int, default=SLOTS)
@@ -247,7 +264,9 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
         elif name == LARGE:
             paths[name] = large_model(paths["smollm2"])
         models.append(name)
-    cells_of = {**GROUPS, "decode": {f"decode c={level}": int(level) for level in args.decode_levels.split(",")},
+    levels = [int(level) for level in args.decode_levels.split(",")]
+    cells_of = {**GROUPS, "decode": {f"decode c={level}": level for level in levels},
+                "sampled": {f"sampled c={level}": level for level in levels},
                 "prefill": {cell: PREFILL[cell] for cell in args.prefill_cells.split(",")}}
     slots, more = args.slots, tuple(args.llama_server_args.split())
     groups = [group for group in args.cells.split(",") if group]
