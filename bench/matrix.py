@@ -101,16 +101,22 @@ def cold_document(tokens: int) -> str:
     return f"Batch {uuid.uuid4().hex}.\n" + "\n".join(sentences)
 
 
-# Every decode and sampled prompt of a run is new to the server that answers it. llama-server's
-# ngram-mod keeps the n-grams of everything a slot generated before; asked a prompt again at
-# temperature 0 (8 topics, a warm-up, repeats), it drafts its own earlier answer word for word,
-# which measures a replay, not decoding (seen: 1.9x its plain rate on a random-weight model
-# whose answers never repeat within themselves).
-PROMPT_NUMBERS = itertools.count()
+# Every decode and sampled prompt is new to the server that answers it, and every server gets the
+# same prompts in the same order (the count restarts with each server). llama-server's ngram-mod
+# keeps the n-grams of everything a slot generated before; asked a prompt again at temperature 0
+# (8 topics, a warm-up, repeats), it drafts its own earlier answer word for word, which measures
+# a replay, not decoding (seen: 1.9x its plain rate on a random-weight model whose answers never
+# repeat within themselves).
+prompt_numbers = itertools.count()
+
+
+def restart_prompts() -> None:
+    global prompt_numbers
+    prompt_numbers = itertools.count()
 
 
 def decode_body(_: int) -> dict:
-    number = next(PROMPT_NUMBERS)
+    number = next(prompt_numbers)
     body = speculative.chat_body(number)
     body["messages"][0]["content"] = body["messages"][0]["content"].removesuffix(".") + f", set in the year {1000 + number}."
     return body
@@ -312,6 +318,7 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
                     spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--chat-template-file",
                                                                  str(TEMPLATES[model])))
                 with running(spec, paths[model], env=env, cwd=checkouts.get(name)) as server:
+                    restart_prompts()
                     base = server.base_url
                     asyncio.run(run_cell(base, "decode", "decode c=1"))  # warm-up
                     for group in wanted:

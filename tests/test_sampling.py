@@ -135,3 +135,17 @@ def test_greedy_picks_what_llama_cpps_greedy_sampler_picks(client, model, shape)
         answers.append((response.choices[0].message.content, response.usage.completion_tokens))
     assert answers[0] == answers[1]
     assert answers[0][1] > 10
+
+
+@pytest.mark.parametrize("shape", [{"temperature": 1.3}, {"temperature": 0.7, "top_p": 0.9, "extra_body": {"top_k": 50}}])
+def test_a_sampled_draw_is_llama_cpps_draw_over_the_whole_vocabulary(client, model, shape):
+    """A sampled answer draws over the tokens within reach of the best logit (the rest hold
+    under 3e-8 of the mass); a zero logit_bias changes no logit but sends the request through
+    llama.cpp's own draw over every token. With the same seed the two answers are the same."""
+    answers = []
+    for bias in (None, {"1000": 0}):
+        response = client.chat.completions.create(model=model, messages=STORY, max_tokens=96, seed=11,
+                                                  logit_bias=bias, **shape)
+        answers.append((response.choices[0].message.content, response.usage.completion_tokens))
+    assert answers[0] == answers[1]
+    assert answers[0][1] > 10

@@ -15,6 +15,12 @@ import numpy as np
 from fastrun_cpp.engine.request import NO_TOKEN, SamplingParams
 
 MIN_REPETITION_PENALTY = 1e-3
+# A token whose logit lies this many temperatures below the best one has under e^-30 (1e-13) of
+# the best one's probability: in Gemma 3's 262k-token vocabulary all such tokens together hold
+# under 3e-8 of the mass. A sampled draw leaves them out, so llama.cpp's chain scales and
+# exponentiates the few thousand tokens that can come up instead of every logit (about 2 ms a
+# token on that vocabulary, for each slot of every step, on the scheduler's thread).
+NEGLIGIBLE_TEMPERATURES = 30.0
 
 
 class _CollectorTime:
@@ -120,6 +126,10 @@ class SamplerChain:
         # array llama.cpp's greedy sampler builds first (same token: its greedy keeps the first
         # maximum too).
         self._argmax = params.greedy and not params.logit_bias and not params.penalized
+        # Sampled with nothing that can raise a logit (a bias, a negative penalty): only the
+        # tokens within NEGLIGIBLE_TEMPERATURES of the best logit go to the chain.
+        self._within_reach = not params.greedy and not params.logit_bias and not params.penalized
+        self._reach = NEGLIGIBLE_TEMPERATURES * params.temperature
         self._grammar = grammar  # a Constraint, owned here, kept out of the chain (see sample())
         self.grammar_ms = 0.0  # CPU time the grammar took in the last sample()
         self._lazy = lazy_grammar  # a grammar.LazyGrammar waiting for its trigger
@@ -196,6 +206,10 @@ class SamplerChain:
         if self._argmax:
             return self._sample_argmax(llama.llama_get_logits_ith(ctx, batch_index))
         if self._grammar is None:
+            if self._within_reach:
+                token = self._sample_within_reach(llama.llama_get_logits_ith(ctx, batch_index))
+                if token is not None:
+                    return token
             return llama.llama_sampler_sample(self._chain, ctx, batch_index)
         # Most tokens the model picks unconstrained are allowed anyway. So: sample freely,
         # check that one token, and only if the grammar refuses it, mask everything (one
@@ -218,6 +232,24 @@ class SamplerChain:
             started = grammar_clock()
         self._grammar.accept(token)
         self.grammar_ms = (grammar_s + grammar_clock() - started) * 1000
+        llama.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _sample_within_reach(self, logits_pointer) -> int | None:
+        """The chain's draw over the tokens within reach of the best logit, in token order as
+        llama.cpp lays out the whole vocabulary (so the same seed draws the same token); None,
+        before anything is drawn, when no logit is a number."""
+        logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
+        ids = np.flatnonzero(logits >= logits.max() - self._reach)
+        if not ids.size:
+            return None
+        data = np.empty(ids.size, dtype=Candidates.DTYPE)
+        data["id"] = ids
+        data["logit"] = logits[ids]
+        data["p"] = 0.0
+        array = token_data_array(data)
+        llama.llama_sampler_apply(self._chain, ctypes.byref(array))
+        token = int(array.data[array.selected].id)
         llama.llama_sampler_accept(self._chain, token)
         return token
 
