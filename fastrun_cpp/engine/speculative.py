@@ -214,10 +214,8 @@ def worth_verifying(drafts: list[tuple[int, int, float]], decoding: list[int], c
     batch order), and how many tokens of each: `drafts` holds (sequence id, length, the slot's
     acceptance rate). Verified drafts are those that raise the tokens the step is expected to
     yield per second - every decode token counts 1, a draft what it is expected to have
-    accepted (`expected_accepted`) -
-    by more than VERIFY_MARGIN, because each row verified slows the step, and so every slot's
-    next token. The step is
-    priced as llama.cpp runs it, a pass per micro-batch (ubatch.py): drafts beside plain
+    accepted (`expected_accepted`) - by more than VERIFY_MARGIN, because each row verified slows
+    the step, and so every slot's next token. The step is priced as llama.cpp runs it, a pass per micro-batch (ubatch.py): drafts beside plain
     decodes take a pass of their own, which equally long drafts of adjacent slots share. So
     the kept drafts are cut to one length: the best set of the most accepted drafts at the
     best length."""
