@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import structured  # noqa: E402
 from bench.matrix import CTX, SLOTS  # noqa: E402  (as the matrix runs both servers)
-from fastrun_cpp.runtime.model_runtime import DETERMINISTIC_SWITCHES  # noqa: E402
+from fastrun_cpp.runtime.model_runtime import deterministic_switches  # noqa: E402
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=384)
     args = parser.parse_args()
     if args.exact:
-        os.environ.update(DETERMINISTIC_SWITCHES)  # read by llama.cpp as it loads: set first
+        os.environ.update(deterministic_switches())  # read by llama.cpp as it loads: set first
     import numpy as np
     import llama_cpp.llama_cpp as llama
 

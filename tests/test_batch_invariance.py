@@ -1,14 +1,16 @@
 """The kernels the deterministic mode admits (patches/llama.cpp: the batch-invariant tiled
 attention kernel, f16 K and V; Q4_0, IQ4_NL and Q4_K weights repacked for the kernels whose
 one-row path computes a row as the many-row path does; llamafile's tinyBLAS where a row comes out
-the same in any batch) compute every row the same whatever the batch: a text's logits at every
+the same in any batch; llama.cpp's tiled K-quant kernels from 8 rows, with a one-row kernel that
+adds as they do) compute every row the same whatever the batch: a text's logits at every
 position are bit for bit the same evaluated whole, one token at a time, in uneven chunks, or
 after another sequence's cells and beside it in every batch. On SmolLM2 (Q4_1, full attention,
 3 query heads per KV head), on Gemma 3 (Q4_K_M: Q4_K weights repacked, Q5_0 and Q8_0 on
 tinyBLAS; a 512-token sliding window, 4 query heads per KV head; 700 tokens, so the window
 slides), and on SmolLM2 requantized to Q4_0 and IQ4_NL (repacked), Q8_0 and Q5_0 (tinyBLAS from
-two rows, vec_dot for one), F16 and BF16 (tinyBLAS for every row count), and Q4_0 and IQ4_NL
-again unpacked (tinyBLAS: from two rows, and for every row count)."""
+two rows, vec_dot for one), F16 and BF16 (tinyBLAS for every row count), Q4_0 and IQ4_NL
+again unpacked (tinyBLAS: from two rows, and for every row count), and Q4_K_M unpacked and
+Q5_K_M (Q4_K, Q5_K and Q6_K on the tiled kernels)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ import llama_cpp.llama_cpp as llama
 import pytest
 
 from fastrun_cpp.engine.backend import system_info
-from fastrun_cpp.runtime.model_runtime import (DETERMINISTIC_SWITCHES, llamafile_is_batch_invariant,
-                                               repacked_weights_are_batch_invariant,
-                                               tiled_attention_is_batch_invariant)
+from fastrun_cpp.runtime.model_runtime import (DETERMINISTIC_SWITCHES, deterministic_switches,
+                                               llamafile_is_batch_invariant, repacked_weights_are_batch_invariant,
+                                               tiled_attention_is_batch_invariant, tiled_matmul_is_batch_invariant)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,12 +39,15 @@ def test_the_build_has_every_kernel_switch():
     assert tiled_attention_is_batch_invariant(), "no GGML_CPU_FA_BATCH_INVARIANT switch"
     assert repacked_weights_are_batch_invariant(), "no GGML_CPU_REPACK_BATCH_INVARIANT switch"
     assert llamafile_is_batch_invariant(), "llamafile's kernels without GGML_CPU_LLAMAFILE_BATCH_INVARIANT"
+    assert tiled_matmul_is_batch_invariant(), "no GGML_CPU_TILED_BATCH_INVARIANT switch"
 
 
-def probe(model_path, tokens: int, switches: dict[str, str] = DETERMINISTIC_SWITCHES,
+def probe(model_path, tokens: int, switches: dict[str, str] | None = None,
           repack: bool = True) -> tuple[dict[str, list[int]], str]:
-    """The positions whose logits differ, by way of evaluating, and llama.cpp's log."""
-    env = {**{k: v for k, v in os.environ.items() if k not in DETERMINISTIC_SWITCHES}, **switches}
+    """The positions whose logits differ, by way of evaluating, and llama.cpp's log; with
+    deterministic mode's switches unless told others."""
+    switches = deterministic_switches() if switches is None else switches
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_")}, **switches}
     command = [sys.executable, "-m", "tests.batch_invariance_probe", str(model_path), str(tokens)]
     result = subprocess.run(command + ([] if repack else ["--no-repack"]),
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -63,15 +68,20 @@ def requantized(source: Path, target: Path, ftype: int) -> Path:
 # and half its FFN down projections), Q4_0 and IQ4_NL take the repacked kernels; Q8_0, Q5_0, F16
 # and BF16 take llamafile's tinyBLAS (Gemma's other weights are Q5_0 and Q8_0).
 # "…-unpacked": Q4_0 and IQ4_NL in ggml's layout, on tinyBLAS (as a weight whose rows do not
-# divide by 8 is served).
+# divide by 8 is served), and Q4_K on the tiled kernels. The K-quant models' K-quant weights are
+# the FFN down projections (Q4_K and Q6_K, Q5_K and Q6_K): the others' rows of 576 do not divide
+# into 256-wide blocks, and the quantizer falls back to Q5_0 / Q8_0 for them.
 MODELS = {"smollm2": 300, "gemma3": 700, "smollm2-q4_0": 300, "smollm2-iq4_nl": 300,
           "smollm2-q8_0": 200, "smollm2-q5_0": 200, "smollm2-f16": 200, "smollm2-bf16": 200,
-          "smollm2-q4_0-unpacked": 200, "smollm2-iq4_nl-unpacked": 200}
+          "smollm2-q4_0-unpacked": 200, "smollm2-iq4_nl-unpacked": 200,
+          "smollm2-q4_k_m-unpacked": 200, "smollm2-q5_k_m": 200}
 REQUANTIZED = {"smollm2-q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "smollm2-iq4_nl": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL,
                "smollm2-q8_0": llama.LLAMA_FTYPE_MOSTLY_Q8_0, "smollm2-q5_0": llama.LLAMA_FTYPE_MOSTLY_Q5_0,
                "smollm2-f16": llama.LLAMA_FTYPE_MOSTLY_F16, "smollm2-bf16": llama.LLAMA_FTYPE_MOSTLY_BF16,
                "smollm2-q4_0-unpacked": llama.LLAMA_FTYPE_MOSTLY_Q4_0,
-               "smollm2-iq4_nl-unpacked": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL}
+               "smollm2-iq4_nl-unpacked": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL,
+               "smollm2-q4_k_m-unpacked": llama.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+               "smollm2-q5_k_m": llama.LLAMA_FTYPE_MOSTLY_Q5_K_M}
 REPACKED = {"gemma3", "smollm2-q4_0", "smollm2-iq4_nl"}
 
 
@@ -102,5 +112,16 @@ def test_one_row_f16_products_differ_without_the_llamafile_switch(tmp_path):
 
     path = requantized(embedded_model_path(), tmp_path / "smollm2-f16.gguf", llama.LLAMA_FTYPE_MOSTLY_F16)
     switches = {k: v for k, v in DETERMINISTIC_SWITCHES.items() if k != "GGML_CPU_LLAMAFILE_BATCH_INVARIANT"}
+    differing, _ = probe(path, 64, switches)
+    assert any(differing.values()), differing
+
+
+def test_one_row_k_quant_products_differ_without_the_tiled_switch(tmp_path):
+    """What the tiled switch is for, and that the probe sees it: upstream's tiled K-quant kernels
+    take batches of 8 rows or more, and ggml's vec_dot, which adds in another order, fewer."""
+    from fastrun_cpp.default_model import embedded_model_path
+
+    path = requantized(embedded_model_path(), tmp_path / "smollm2-q6_k.gguf", llama.LLAMA_FTYPE_MOSTLY_Q6_K)
+    switches = {k: v for k, v in DETERMINISTIC_SWITCHES.items() if k != "GGML_CPU_TILED_BATCH_INVARIANT"}
     differing, _ = probe(path, 64, switches)
     assert any(differing.values()), differing

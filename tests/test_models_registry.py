@@ -35,7 +35,7 @@ def test_bad_registries_are_refused_at_startup(tmp_path):
         "typo.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\nslotz = 3\n',
         "empty-stop.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\n[models.defaults]\nstop = [""]\n',
         "rope.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\nrope_scaling = "ntk"\n',
-        # GGML_CPU_TILED_MM is read once per process: one process has one kernel set.
+        # llama.cpp reads its kernel switches once per process: one process has one kernel set.
         "mixed-kernels.toml": f'[[models]]\nid = "{DEFAULT_MODEL}"\n'
                               f'[[models]]\nid = "fast"\npath = "{DEFAULT_MODEL_PATH}"\ndeterministic = false\n',
     }
@@ -45,7 +45,7 @@ def test_bad_registries_are_refused_at_startup(tmp_path):
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, name
         assert "error" in result.stderr.lower() or "invalid" in result.stderr.lower(), result.stderr
-    assert "GGML_CPU_TILED_MM" in result.stderr and "fast" in result.stderr, result.stderr
+    assert "GGML_CPU_TILED_BATCH_INVARIANT" in result.stderr and "fast" in result.stderr, result.stderr
 
 
 def test_deterministic_models_keep_their_products_on_the_cpu():

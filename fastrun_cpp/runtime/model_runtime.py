@@ -103,8 +103,10 @@ def is_deterministic(config: ModelConfig) -> bool:
 
 
 # Deterministic mode's process-wide llama.cpp switches (read once per process; a build without
-# patches/llama.cpp ignores the last two):
-# - GGML_CPU_TILED_MM=0: no tiled K-quant matrix kernels, which are taken for 8+ rows only;
+# patches/llama.cpp ignores them, and deterministic_switches() makes up for the first):
+# - GGML_CPU_TILED_BATCH_INVARIANT=1: the tiled K-quant matrix kernels (taken for 8+ rows) only
+#   where the one-row kernel adds as they do (Q4_K, Q5_K, Q6_K on x86 with AVX2 and FMA), and that
+#   one-row kernel for fewer rows;
 # - GGML_CPU_FA_BATCH_INVARIANT=1: the tiled attention kernel for every batch, one row as 512
 #   (without the patch, kv_cache_types avoids the kernels that depend on the batch);
 # - GGML_CPU_REPACK_BATCH_INVARIANT=1: repacked weights only where the one-row kernel computes a
@@ -113,7 +115,7 @@ def is_deterministic(config: ModelConfig) -> bool:
 # - GGML_CPU_LLAMAFILE_BATCH_INVARIANT=1: llamafile's tinyBLAS only where a row comes out the
 #   same in any batch, one row included (Q8_0, Q4_0, Q5_0 from two rows; F32, F16, BF16, IQ4_NL
 #   from one; on x86 with AVX2 and FMA).
-DETERMINISTIC_SWITCHES = {"GGML_CPU_TILED_MM": "0", "GGML_CPU_FA_BATCH_INVARIANT": "1",
+DETERMINISTIC_SWITCHES = {"GGML_CPU_TILED_BATCH_INVARIANT": "1", "GGML_CPU_FA_BATCH_INVARIANT": "1",
                           "GGML_CPU_REPACK_BATCH_INVARIANT": "1", "GGML_CPU_LLAMAFILE_BATCH_INVARIANT": "1"}
 
 
@@ -135,6 +137,20 @@ def repacked_weights_are_batch_invariant() -> bool:
     weights are then repacked for the kernels llama-server uses (on AVX2), whose one-row and
     many-row paths compute a row alike, and no other weight is."""
     return _llama_cpp_exports("ggml_cpu_repack_batch_invariant_supported")
+
+
+def tiled_matmul_is_batch_invariant() -> bool:
+    """Whether this build has the GGML_CPU_TILED_BATCH_INVARIANT switch: the tiled K-quant kernels
+    then serve only the types whose one-row kernel computes a row as they do."""
+    return _llama_cpp_exports("ggml_cpu_tiled_batch_invariant_supported")
+
+
+def deterministic_switches() -> dict[str, str]:
+    """The switches deterministic mode sets: DETERMINISTIC_SWITCHES, and on a build without the
+    tiled switch, no tiled K-quant kernels at all (GGML_CPU_TILED_MM=0)."""
+    if tiled_matmul_is_batch_invariant():
+        return DETERMINISTIC_SWITCHES
+    return {**DETERMINISTIC_SWITCHES, "GGML_CPU_TILED_MM": "0"}
 
 
 def llamafile_is_batch_invariant() -> bool:
@@ -259,7 +275,7 @@ def prepare_process(config: ModelConfig) -> None:
                                               _process_deterministic}))
     _process_deterministic = deterministic
     if deterministic:
-        os.environ.update(DETERMINISTIC_SWITCHES)
+        os.environ.update(deterministic_switches())
         if not llamafile_is_batch_invariant():
             logger.warning("%s: this llama.cpp build has llamafile's kernels without fastrun's batch-invariant switch "
                            "(patches/llama.cpp): answers may depend on batching and caching; `make setup` builds it",
