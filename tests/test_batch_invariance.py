@@ -10,7 +10,8 @@ tinyBLAS; a 512-token sliding window, 4 query heads per KV head; 700 tokens, so 
 slides), and on SmolLM2 requantized to Q4_0 and IQ4_NL (repacked), Q8_0 and Q5_0 (tinyBLAS from
 two rows, vec_dot for one), F16 and BF16 (tinyBLAS for every row count), Q4_0 and IQ4_NL
 again unpacked (tinyBLAS: from two rows, and for every row count), and Q4_K_M unpacked and
-Q5_K_M (Q4_K, Q5_K and Q6_K on the tiled kernels)."""
+Q5_K_M (Q4_K, Q5_K and Q6_K on the tiled kernels); and on a random model 256 wide at Q2_K (Q2_K,
+Q3_K and Q6_K on the tiled kernels)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def requantized(source: Path, target: Path, ftype: int) -> Path:
 MODELS = {"smollm2": 300, "gemma3": 700, "smollm2-q4_0": 300, "smollm2-iq4_nl": 300,
           "smollm2-q8_0": 200, "smollm2-q5_0": 200, "smollm2-f16": 200, "smollm2-bf16": 200,
           "smollm2-q4_0-unpacked": 200, "smollm2-iq4_nl-unpacked": 200,
-          "smollm2-q4_k_m-unpacked": 200, "smollm2-q5_k_m": 200}
+          "smollm2-q4_k_m-unpacked": 200, "smollm2-q5_k_m": 200, "random-q2_k": 200}
 REQUANTIZED = {"smollm2-q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "smollm2-iq4_nl": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL,
                "smollm2-q8_0": llama.LLAMA_FTYPE_MOSTLY_Q8_0, "smollm2-q5_0": llama.LLAMA_FTYPE_MOSTLY_Q5_0,
                "smollm2-f16": llama.LLAMA_FTYPE_MOSTLY_F16, "smollm2-bf16": llama.LLAMA_FTYPE_MOSTLY_BF16,
@@ -82,6 +83,10 @@ REQUANTIZED = {"smollm2-q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "smollm2-iq4_nl": 
                "smollm2-iq4_nl-unpacked": llama.LLAMA_FTYPE_MOSTLY_IQ4_NL,
                "smollm2-q4_k_m-unpacked": llama.LLAMA_FTYPE_MOSTLY_Q4_K_M,
                "smollm2-q5_k_m": llama.LLAMA_FTYPE_MOSTLY_Q5_K_M}
+# SmolLM2's rows of 576 keep Q2_K out of it: a random model 256 wide takes Q2_K for its attention
+# and FFN up/gate, Q3_K for its FFN down and V, Q6_K for its (tied) output.
+WIDE_RANDOM = {"block_count": 2, "embedding_length": 256, "feed_forward_length": 512, "head_count": 4,
+               "head_count_kv": 4, "context_length": 8192}
 REPACKED = {"gemma3", "smollm2-q4_0", "smollm2-iq4_nl"}
 
 
@@ -91,6 +96,11 @@ def test_rows_do_not_depend_on_the_batch(model, gemma_path, tmp_path):
 
     if model == "gemma3":
         path = gemma_path
+    elif model == "random-q2_k":
+        from fastrun_cpp.tiny_model import write_tiny_model
+
+        source = write_tiny_model(tmp_path / "random-f32.gguf", embedded_model_path(), shape=WIDE_RANDOM)
+        path = requantized(source, tmp_path / f"{model}.gguf", llama.LLAMA_FTYPE_MOSTLY_Q2_K)
     elif model in REQUANTIZED:
         path = requantized(embedded_model_path(), tmp_path / f"{model}.gguf", REQUANTIZED[model])
     else:

@@ -105,7 +105,7 @@ def is_deterministic(config: ModelConfig) -> bool:
 # Deterministic mode's process-wide llama.cpp switches (read once per process; a build without
 # patches/llama.cpp ignores them, and deterministic_switches() makes up for the first):
 # - GGML_CPU_TILED_BATCH_INVARIANT=1: the tiled K-quant matrix kernels (taken for 8+ rows) only
-#   where the one-row kernel adds as they do (Q4_K, Q5_K, Q6_K on x86 with AVX2 and FMA), and that
+#   where the one-row kernel adds as they do (Q2_K to Q6_K on x86 with AVX2 and FMA), and that
 #   one-row kernel for fewer rows;
 # - GGML_CPU_FA_BATCH_INVARIANT=1: the tiled attention kernel for every batch, one row as 512
 #   (without the patch, kv_cache_types avoids the kernels that depend on the batch);
