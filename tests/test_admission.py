@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.server import DEFAULT_MODEL, run_server, wait_until
-from tests.test_disconnect import generated_tokens
+from tests.test_observability import generated_tokens
 
 COUNTING = {"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1500, "temperature": 0}
 SHORT = {"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 3}

@@ -7,16 +7,10 @@ import httpx
 import pytest
 
 from tests.server import DEFAULT_MODEL, run_server, wait_until
-from tests.test_observability import metric
+from tests.test_observability import generated_tokens
 
 # The default model keeps counting for as long as it is allowed to: a long generation.
 COUNTING = {"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000, "temperature": 0}
-
-
-def generated_tokens(server) -> float:
-    """Tokens the engine generated so far, read to the end or not."""
-    text = httpx.get(f"{server.root_url}/metrics", timeout=30).text
-    return metric(text, "fastrun_engine_generated_tokens_total", model=DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="module")

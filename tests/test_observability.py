@@ -23,6 +23,12 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def generated_tokens(server, model: str = DEFAULT_MODEL) -> float:
+    """Tokens the server's engines generated so far for `model`, read to the end or not."""
+    return metric(httpx.get(f"{server.root_url}/metrics", timeout=30).text, "fastrun_engine_generated_tokens_total",
+                  model=model)
+
+
 def scrape(server) -> str:
     response = httpx.get(f"{server.root_url}/metrics")
     assert response.status_code == 200

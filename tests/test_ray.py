@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.server import DEFAULT_MODEL, run_server, wait_until
+from tests.test_observability import generated_tokens
 from tests.test_prefix_cache import document
 
 pytest.importorskip("ray.serve", reason="the Ray backend needs `pip install 'fastrun-cpp[ray]'`")
@@ -133,13 +134,6 @@ def test_a_replica_that_dies_after_accepting_a_request_is_replaced_by_another(ra
     assert "before its first token" in ray_server.log()
     assert wait_until(lambda: sum(1 for r in ray_server.health()["models"][DEFAULT_MODEL]["replicas"]
                                   if r["healthy"]) == 2, timeout=120)
-
-
-def generated_tokens(server) -> float:
-    from tests.test_observability import metric
-
-    return metric(httpx.get(f"{server.root_url}/metrics", timeout=10).text, "fastrun_engine_generated_tokens_total",
-                  model=DEFAULT_MODEL)
 
 
 def settled_generated_tokens(server) -> float:
