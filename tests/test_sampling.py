@@ -138,10 +138,10 @@ def test_greedy_picks_what_llama_cpps_greedy_sampler_picks(client, model, shape)
 
 
 @pytest.mark.parametrize("shape", [{"temperature": 1.3}, {"temperature": 0.7, "top_p": 0.9, "extra_body": {"top_k": 50}}])
-def test_a_sampled_draw_is_llama_cpps_draw_over_the_whole_vocabulary(client, model, shape):
-    """A sampled answer draws over the tokens within reach of the best logit (the rest hold
-    under 3e-8 of the mass); a zero logit_bias changes no logit but sends the request through
-    llama.cpp's own draw over every token. With the same seed the two answers are the same."""
+def test_a_sampled_draw_is_the_same_through_llama_cpps_sampler_chain(client, model, shape):
+    """A sampled answer with OpenAI's defaults draws from the logits where they lie; a zero
+    logit_bias changes no logit but sends them through llama.cpp's sampler chain and its
+    candidate array first. With the same seed the two answers are the same."""
     answers = []
     for bias in (None, {"1000": 0}):
         response = client.chat.completions.create(model=model, messages=STORY, max_tokens=96, seed=11,
@@ -149,3 +149,41 @@ def test_a_sampled_draw_is_llama_cpps_draw_over_the_whole_vocabulary(client, mod
         answers.append((response.choices[0].message.content, response.usage.completion_tokens))
     assert answers[0] == answers[1]
     assert answers[0][1] > 10
+
+
+@pytest.mark.parametrize("size", [2, 7, 1024, 1500, 49152, 262144])
+def test_the_draw_is_llama_cpps_dist_sampler(size):
+    """sampling.Dist against llama.cpp's own temperature and dist samplers, draw after draw from
+    one seed: the same tokens, over vocabularies of every shape (under a block, exactly blocks,
+    Gemma 3's 262k), logits near and far apart, and masked (-inf) tokens."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as llama
+    import numpy as np
+
+    from fastrun_cpp.engine.sampling import Candidates, Dist, token_data_array
+
+    rng = np.random.default_rng(size)
+    candidates = Candidates(size)
+    draws = 40 if size > 10_000 else 300
+    for seed, temperature in ((0, 0.7), (11, 1.3), (2**32 - 2, 0.2)):
+        chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_temp(temperature))
+        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_dist(seed))
+        dist = Dist(seed)
+        ours, theirs = [], []
+        for _ in range(draws):
+            logits = (rng.standard_normal(size) * rng.uniform(0.05, 8)).astype(np.float32)
+            logits[rng.integers(size, size=max(1, size // 3))] = -np.inf
+            logits[rng.integers(size)] = rng.uniform(-5, 20)  # at least one token stays possible
+            data = np.zeros(size, dtype=Candidates.DTYPE)
+            data["id"] = np.arange(size)
+            data["logit"] = logits
+            array = token_data_array(data)
+            llama.llama_sampler_apply(chain, ctypes.byref(array))
+            theirs.append(int(data["id"][array.selected]))
+            ours.append(dist.pick(logits, candidates.scratch, temperature))
+            assert np.isfinite(logits[ours[-1]])  # never a masked token
+        llama.llama_sampler_free(chain)
+        assert ours == theirs
+        assert len(set(ours)) > 1  # the draws did spread

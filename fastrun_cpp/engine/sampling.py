@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import math
+import secrets
 import threading
 import time
 from typing import Iterable
@@ -15,12 +16,8 @@ import numpy as np
 from fastrun_cpp.engine.request import NO_TOKEN, SamplingParams
 
 MIN_REPETITION_PENALTY = 1e-3
-# A token whose logit lies this many temperatures below the best one has under e^-30 (1e-13) of
-# the best one's probability: in Gemma 3's 262k-token vocabulary all such tokens together hold
-# under 3e-8 of the mass. A sampled draw leaves them out, so llama.cpp's chain scales and
-# exponentiates only the tokens that can come up (a third of Gemma 3's vocabulary at T=0.7:
-# 1.8 -> 0.9 ms a draw, for each slot of every step, on the scheduler's thread).
-NEGLIGIBLE_TEMPERATURES = 30.0
+# Tokens whose probabilities Dist adds up at a time before it looks inside the block it needs.
+DRAW_BLOCK = 1024
 
 
 class _CollectorTime:
@@ -61,9 +58,78 @@ def token_data_array(data: np.ndarray) -> llama.llama_token_data_array:
     )
 
 
+class Dist:
+    """llama.cpp's dist sampler (`llama_sampler_init_dist`) in numpy: for a seed, the same
+    Mersenne Twister stream (std::mt19937 and numpy's legacy RandomState seed it alike), the same
+    uniform number from it (libstdc++'s generate_canonical over two 32-bit outputs), the same
+    float32 probabilities, and the same pick: the first token at which the running sum of
+    probabilities reaches that share of their total.
+
+    llama.cpp walks the candidates in one scalar loop, an expf and a double add per token: 0.5 ms
+    a draw over a 49k-token vocabulary and 1.3 ms over 262k, for each slot of every step, on the
+    scheduler's thread. Here the exponentials are vectorised and the running sum is found a block
+    of DRAW_BLOCK tokens at a time, so only the order of the double additions differs: the token
+    drawn differs from llama.cpp's only when the draw lands within about 1e-12 of a boundary
+    between two tokens."""
+
+    def __init__(self, seed: int | None) -> None:
+        # No seed: a random one (llama.cpp's LLAMA_DEFAULT_SEED asks it for the same).
+        self._rng = np.random.RandomState(secrets.randbits(32) if seed is None else seed % 2**32)
+        self._raw: list[int] = []  # 32-bit outputs not used yet, next last
+
+    def uniform(self) -> float:
+        """std::uniform_real_distribution<double>(0, 1) on the stream, as libstdc++ computes it."""
+        if len(self._raw) < 2:
+            self._raw = self._rng.randint(0, 2**32, size=256, dtype=np.uint32).tolist()[::-1]
+        low, high = self._raw.pop(), self._raw.pop()
+        value = (float(low) + float(high) * 4294967296.0) / 18446744073709551616.0
+        return value if value < 1.0 else math.nextafter(1.0, 0.0)
+
+    def pick(self, logits: np.ndarray, scratch: np.ndarray, temperature: float | None = None) -> int | None:
+        """The index drawn among `logits` (divided by `temperature` first, in float32 as
+        llama.cpp's temperature sampler does, when given); None when none can be drawn (no
+        logit, none above -inf, or one that is not a number). `scratch`: float32, at least
+        len(logits) rounded up to DRAW_BLOCK."""
+        size = logits.size
+        if size == 0:
+            return None
+        draw = self.uniform()  # drawn for one candidate too, as llama.cpp keeps its stream aligned
+        if size == 1:
+            return 0 if math.isfinite(float(logits[0])) else None
+        padded = -(-size // DRAW_BLOCK) * DRAW_BLOCK
+        probs = scratch[:padded]
+        head = probs[:size]
+        if temperature is None:
+            np.copyto(head, logits)
+        else:
+            np.divide(logits, np.float32(temperature), out=head)
+        np.subtract(head, head.max(), out=head)
+        np.exp(head, out=head)
+        probs[size:] = 0.0
+        running = np.cumsum(np.add.reduce(probs.reshape(-1, DRAW_BLOCK), axis=1, dtype=np.float64))
+        total = float(running[-1])
+        if not (math.isfinite(total) and total > 0.0):
+            return None
+        target = total * draw
+        block = min(int(np.searchsorted(running, target)), len(running) - 1)
+        start = block * DRAW_BLOCK
+        within = np.cumsum(probs[start:start + DRAW_BLOCK], dtype=np.float64)
+        if block:
+            within += running[block - 1]
+        index = start + min(int(np.searchsorted(within, target)), DRAW_BLOCK - 1)
+        if index >= size or probs[index] == 0.0:
+            # Only where the block sums' rounding moved a boundary onto an impossible token:
+            # the nearest possible one before it, else after it.
+            possible = np.flatnonzero(head)
+            before = possible[possible < index]
+            index = int(before[-1] if before.size else possible[0])
+        return index
+
+
 class Candidates:
-    """Reusable llama_token_data arrays over the vocabulary, filled from logits with numpy
-    (used only when a grammar constrains sampling; the scheduler thread owns one)."""
+    """Reusable llama_token_data arrays over the vocabulary, filled from logits with numpy, for
+    llama.cpp's samplers and grammars (the scheduler thread owns one), and the scratch space of
+    the draws made on that thread."""
 
     DTYPE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
@@ -72,6 +138,7 @@ class Candidates:
         self._ids = np.arange(n_vocab, dtype=np.int32)
         self._all = np.zeros(n_vocab, dtype=self.DTYPE)
         self._all_array = token_data_array(self._all)
+        self._scratch: np.ndarray | None = None
 
     def fill(self, logits: ctypes.POINTER(ctypes.c_float)):
         """All tokens with these logits; samplers may reorder and shrink the array in place."""
@@ -93,6 +160,23 @@ class Candidates:
         """The logits column of the filled array (index = token id until a sampler reorders it)."""
         return self._all["logit"]
 
+    @property
+    def scratch(self) -> np.ndarray:
+        """Dist.pick's scratch space, for this vocabulary."""
+        if self._scratch is None:
+            self._scratch = np.zeros(-(-self.n_vocab // DRAW_BLOCK) * DRAW_BLOCK, dtype=np.float32)
+        return self._scratch
+
+    def remaining_logits(self) -> np.ndarray:
+        """The logits of the tokens the samplers left, in the order they left them."""
+        # llama.cpp's samplers reorder and shrink the array in place; they never move it.
+        assert ctypes.cast(self._all_array.data, ctypes.c_void_p).value == self._all.ctypes.data
+        return np.ascontiguousarray(self._all["logit"][: self._all_array.size])
+
+    def token_at(self, index: int) -> int:
+        """The token at `index` of the array as the samplers left it."""
+        return int(self._all["id"][index])
+
     def selected(self) -> int:
         return int(self._all["id"][self._all_array.selected])
 
@@ -103,10 +187,11 @@ class Candidates:
 
 
 class SamplerChain:
-    """A llama.cpp sampler chain owned by one slot for the life of one request.
+    """A slot's sampler for the life of one request: llama.cpp's sampler chain, then a Dist.
 
-    Order (llama.cpp's own): [grammar] -> penalties -> top_k -> top_p -> min_p -> temperature
-    -> dist. Temperature 0 replaces the last four with greedy argmax. The grammar is a
+    Order (llama.cpp's own): [grammar] -> logit bias -> penalties -> top_k -> top_p -> min_p ->
+    temperature -> dist. Temperature 0 replaces the last four with greedy argmax. The chain
+    changes the logits; the Dist draws from what it leaves. The grammar is a
     constraint.Constraint; a lazy one joins once its trigger appears (`observe`).
     """
 
@@ -121,16 +206,17 @@ class SamplerChain:
     ) -> None:
         self.params = params
         self._n_vocab = n_vocab
+        logits_as_computed = not params.logit_bias and not params.penalized
         # Greedy with nothing to change the logits first: the pick is the first highest logit,
         # which numpy finds in the logits where they lie, without the n_vocab-sized candidate
         # array llama.cpp's greedy sampler builds first (same token: its greedy keeps the first
         # maximum too).
-        logits_as_computed = not params.logit_bias and not params.penalized
         self._argmax = params.greedy and logits_as_computed
-        # Sampled with nothing that can raise a logit (a bias, a negative penalty): only the
-        # tokens within NEGLIGIBLE_TEMPERATURES of the best logit go to the chain.
-        self._within_reach = not params.greedy and logits_as_computed
-        self._reach = NEGLIGIBLE_TEMPERATURES * params.temperature
+        self._dist = None if params.greedy else Dist(params.seed)
+        # Sampled with nothing but the temperature between the logits and the draw (OpenAI's
+        # defaults): the Dist scales the logits where they lie, without the candidate array.
+        self._temperature_only = (not params.greedy and logits_as_computed and params.top_k <= 0
+                                  and params.top_p >= 1.0 and params.min_p <= 0.0)
         self._grammar = grammar  # a Constraint, owned here, kept out of the chain (see sample())
         self.grammar_ms = 0.0  # CPU time the grammar took in the last sample()
         self._lazy = lazy_grammar  # a grammar.LazyGrammar waiting for its trigger
@@ -160,8 +246,6 @@ class SamplerChain:
         if params.min_p > 0.0:
             self._add(llama.llama_sampler_init_min_p(params.min_p, 1))
         self._add(llama.llama_sampler_init_temp(params.temperature))
-        seed = params.seed if params.seed is not None else llama.LLAMA_DEFAULT_SEED
-        self._add(llama.llama_sampler_init_dist(seed))
 
     def _add(self, sampler: llama.llama_sampler_p) -> None:
         llama.llama_sampler_chain_add(self._chain, sampler)  # the chain now owns it
@@ -202,57 +286,54 @@ class SamplerChain:
 
     def sample(self, ctx: llama.llama_context_p, batch_index: int, candidates: Candidates) -> int:
         """Pick and accept the next token from the logits at `batch_index` of the last decode;
-        NO_TOKEN when a grammar allows none. Raises constraint.ConstraintError when the
-        grammar cannot go on."""
+        NO_TOKEN when a grammar allows none (or no logit is a number). Raises
+        constraint.ConstraintError when the grammar cannot go on."""
+        logits = llama.llama_get_logits_ith(ctx, batch_index)
         if self._argmax:
-            return self._sample_argmax(llama.llama_get_logits_ith(ctx, batch_index))
+            return self._sample_argmax(logits)
         if self._grammar is None:
-            if self._within_reach:
-                token = self._sample_within_reach(llama.llama_get_logits_ith(ctx, batch_index))
-                if token is not None:
-                    return token
-            return llama.llama_sampler_sample(self._chain, ctx, batch_index)
+            token = self._pick(logits, candidates)
+            if self._penalties is not None and token != NO_TOKEN:
+                llama.llama_sampler_accept(self._chain, token)
+            return token
         # Most tokens the model picks unconstrained are allowed anyway. So: sample freely,
         # check that one token, and only if the grammar refuses it, mask everything (one
         # vectorised pass) and sample again, as llama.cpp's common sampler does.
-        logits = llama.llama_get_logits_ith(ctx, batch_index)
-        llama.llama_sampler_apply(self._chain, candidates.fill(logits))
-        token = candidates.selected()
+        token = self._pick(logits, candidates)
         # The grammar's own CPU work (not the chain's, nor time spent waiting for a CPU).
         grammar_s = 0.0
         started = grammar_clock()
-        if not self._grammar.allows(token):
+        if token == NO_TOKEN or not self._grammar.allows(token):
             candidates.fill(logits)
             self._grammar.mask(candidates)
             grammar_s = grammar_clock() - started
-            llama.llama_sampler_apply(self._chain, candidates.array)
-            if not candidates.selected_is_possible():
+            token = self._pick_from(candidates)
+            if token == NO_TOKEN:
                 self.grammar_ms = grammar_s * 1000
                 return NO_TOKEN  # accepting a refused token would throw inside llama.cpp
-            token = candidates.selected()
             started = grammar_clock()
         self._grammar.accept(token)
         self.grammar_ms = (grammar_s + grammar_clock() - started) * 1000
         llama.llama_sampler_accept(self._chain, token)
         return token
 
-    def _sample_within_reach(self, logits_pointer) -> int | None:
-        """The chain's draw over the tokens within reach of the best logit, in token order as
-        llama.cpp lays out the whole vocabulary (so the same seed draws the same token); None,
-        before anything is drawn, when no logit is a number."""
-        logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
-        ids = np.flatnonzero(logits >= logits.max() - self._reach)
-        if not ids.size:
-            return None
-        data = np.empty(ids.size, dtype=Candidates.DTYPE)
-        data["id"] = ids
-        data["logit"] = logits[ids]
-        data["p"] = 0.0
-        array = token_data_array(data)
-        llama.llama_sampler_apply(self._chain, ctypes.byref(array))
-        token = int(array.data[array.selected].id)
-        llama.llama_sampler_accept(self._chain, token)
-        return token
+    def _pick(self, logits_pointer, candidates: Candidates) -> int:
+        """The token picked from these logits, unconstrained."""
+        if self._temperature_only:
+            logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
+            index = self._dist.pick(logits, candidates.scratch, self.params.temperature)
+            return NO_TOKEN if index is None else index
+        candidates.fill(logits_pointer)
+        return self._pick_from(candidates)
+
+    def _pick_from(self, candidates: Candidates) -> int:
+        """The chain over the filled (perhaps masked) candidates, then the pick: llama.cpp's
+        greedy sampler picks inside the chain, a Dist after it."""
+        llama.llama_sampler_apply(self._chain, candidates.array)
+        if self._dist is None:
+            return candidates.selected() if candidates.selected_is_possible() else NO_TOKEN
+        index = self._dist.pick(candidates.remaining_logits(), candidates.scratch)
+        return NO_TOKEN if index is None else candidates.token_at(index)
 
     def _sample_argmax(self, logits_pointer) -> int:
         logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
