@@ -376,7 +376,31 @@ def test_a_prefix_the_host_tier_holds_too_does_not_pull_a_request_away_from_runn
     free = [slot for slot in slots if slot.is_free]
     assert kv.choose(free, document, "")[0] in (slots[2], slots[4])
     fill(kv, memory, slots[0], document[:80] + [7] * 60)  # now a longer prefix only slot 0 holds
-    assert kv.choose(free, document[:80] + [7] * 60 + [1], "") == (slots[0], 140)
+    prompt = document[:80] + [7] * 60 + [1]
+    assert kv.choose(slots[:1], prompt, "") == (slots[0], 140)  # the only free slot: used where it is
+
+
+def test_a_prefix_only_a_slot_away_from_running_slots_holds_moves_beside_them():
+    # Taken where it lies, it would split every step into two passes for as long as both run
+    # (seen: 8 answers on slots 0 and 6..12, 0.87x); through the host tier it joins their run.
+    kv, memory, slots = manager(5)
+    conversation = list(range(140))
+    fill(kv, memory, slots[0], conversation)
+    occupy(slots[3], "running")
+    free = [slot for slot in slots if slot.is_free]
+    slot, held = kv.choose(free, conversation + [1], "")
+    assert slot in (slots[2], slots[4]) and held == 0
+    assert prepare(kv, slot, conversation + [1], "") == ("host", 140)  # nothing recomputed
+    assert memory.sequences[slot.seq_id] == conversation
+
+
+def test_a_prefix_the_host_tier_cannot_take_stays_where_it_is():
+    kv, memory, slots = manager(5, host_mib=0)
+    conversation = list(range(140))
+    fill(kv, memory, slots[0], conversation)
+    occupy(slots[3], "running")
+    free = [slot for slot in slots if slot.is_free]
+    assert kv.choose(free, conversation + [1], "") == (slots[0], 140)
 
 
 def test_prepare_keeps_the_shared_prefix_but_never_the_last_prompt_token():

@@ -125,11 +125,20 @@ class KVCacheManager:
         busy = self._busy()
         in_host = self._host_prefix(prompt, namespace)[1]
 
-        def rank(slot: Slot) -> tuple[int, int, int]:
-            only_here = held[slot.seq_id] - in_host
-            return (only_here if only_here >= MIN_SAVED_TOKENS else 0), *self._placement(slot, busy)
+        def only_here(slot: Slot) -> int:
+            gain = held[slot.seq_id] - in_host
+            return gain if gain >= MIN_SAVED_TOKENS else 0
 
-        slot = max(free, key=rank)
+        slot = max(free, key=lambda slot: (only_here(slot), *self._placement(slot, busy)))
+        placed = max(free, key=lambda slot: self._placement(slot, busy))
+        if (only_here(slot) and self._placement(placed, busy)[0] > self._placement(slot, busy)[0]
+                and self.state_serves(len(slot.cache_tokens), held[slot.seq_id])):
+            # The prefix lies in a slot away from the running ones: taken there, every step
+            # would cost a pass of its own (ubatch.py) for as long as the answer runs. Move it
+            # through the host tier instead, a copy each way, into the slot beside them.
+            self.save(slot)
+            if self._host_prefix(prompt, namespace)[1] >= held[slot.seq_id]:
+                return placed, held[placed.seq_id]
         return slot, held[slot.seq_id]
 
     def place(self, free: list[Slot], count: int, *, beside: Slot | None = None) -> list[Slot]:
