@@ -161,7 +161,7 @@ def test_the_draw_is_llama_cpps_dist_sampler(size):
     import llama_cpp.llama_cpp as llama
     import numpy as np
 
-    from fastrun_cpp.engine.sampling import Candidates, Dist, token_data_array
+    from fastrun_cpp.engine.sampling import Candidates, Dist
 
     rng = np.random.default_rng(size)
     candidates = Candidates(size)
@@ -176,12 +176,8 @@ def test_the_draw_is_llama_cpps_dist_sampler(size):
             logits = (rng.standard_normal(size) * rng.uniform(0.05, 8)).astype(np.float32)
             logits[rng.integers(size, size=max(1, size // 3))] = -np.inf
             logits[rng.integers(size)] = rng.uniform(-5, 20)  # at least one token stays possible
-            data = np.zeros(size, dtype=Candidates.DTYPE)
-            data["id"] = np.arange(size)
-            data["logit"] = logits
-            array = token_data_array(data)
-            llama.llama_sampler_apply(chain, ctypes.byref(array))
-            theirs.append(int(data["id"][array.selected]))
+            llama.llama_sampler_apply(chain, candidates.fill(logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))))
+            theirs.append(candidates.selected())
             ours.append(dist.pick(logits, candidates.scratch, temperature))
             assert np.isfinite(logits[ours[-1]])  # never a masked token
         llama.llama_sampler_free(chain)
