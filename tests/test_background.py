@@ -100,12 +100,16 @@ def test_a_background_response_finishes_after_kill_9(tmp_path):
                    temperature=0)
     with run_server(*arguments, log_dir=tmp_path, env=env) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        queued = client.responses.create(background=True, **request)
-        assert wait_until(lambda: client.responses.retrieve(queued.id).status == "in_progress", 300)
-        server.process.kill()
-        server.process.wait()
+        # Killed at its first word, seen on its own stream: polling for "in_progress" could miss
+        # a short answer's whole run on a fast machine, and wait for a state that has passed.
+        with client.responses.create(background=True, stream=True, **request) as stream:
+            events = iter(stream)
+            response_id = next(events).response.id
+            assert any(event.type == "response.output_text.delta" for event in events)
+            server.process.kill()
+            server.process.wait()
     with run_server(*arguments, log_dir=tmp_path, env=env) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        response = settled(client, queued.id)
+        response = settled(client, response_id)
         assert response.status in ("completed", "incomplete"), response
         assert response.output_text == client.responses.create(**request).output_text
