@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from fastrun_cpp.engine.speculative import (
     Acceptance,
+    AnswerMemory,
+    DraftTurn,
     NgramDrafter,
+    NgramDrafting,
     SpeculationConfig,
     StepCosts,
     expected_accepted,
@@ -101,6 +104,37 @@ def costs(seconds_by_rows: dict[int, float]) -> StepCosts:
 
 CPU = {1: 0.010, 2: 0.019, 4: 0.030, 8: 0.047, 9: 0.052, 16: 0.083, 24: 0.118}  # a 2-core EPYC
 GPU = {1: 0.010, 9: 0.0105, 16: 0.011}
+
+
+def test_an_answer_of_the_same_namespace_drafts_its_shape_and_another_namespace_gets_nothing():
+    """A tool call's shape (long, in no prompt) answered before drafts the next one's; the
+    memory is the account's own: another namespace's request drafts nothing from it."""
+    drafting = NgramDrafting(CONFIG)
+    call = [60, *range(400, 430), 61]  # '{"name": "get_weather", "arguments": {"city": ...'
+    drafting.start(0, [1, 2, 3], namespace="acct-a")
+    drafting.accept(0, call)
+    drafting.finished(0)
+
+    def first_draft(namespace: str) -> list[int]:
+        drafting.start(1, [7, 8, 9], namespace=namespace)
+        drafting.accept(1, call[:8])  # the same call begins (its last token sampled, not yet decoded)
+        return drafting.propose([DraftTurn(1, [7, 8, 9, *call[:7]], call[7], room=64)], rows=8).get(1, [])
+
+    assert first_draft("acct-a") == call[8 : 8 + len(first_draft("acct-a"))] != []
+    assert first_draft("acct-b") == []
+    assert first_draft("") == []
+
+
+def test_the_answer_memory_is_bounded_per_namespace_and_in_namespaces():
+    memory = AnswerMemory(tokens=10, namespaces=2)
+    memory.remember("a", list(range(6)))
+    memory.remember("a", list(range(10, 16)))
+    assert memory.recall("a") == list(range(10, 16))  # the older answer left to make room
+    memory.remember("a", list(range(100, 130)))
+    assert memory.recall("a") == list(range(120, 130))  # a long answer: its end
+    memory.remember("b", [1])
+    memory.remember("c", [2])
+    assert memory.recall("a") == [] and memory.recall("b") == [1] and memory.recall("c") == [2]
 
 
 def test_step_costs_interpolate_and_stay_optimistic_past_what_was_measured():

@@ -60,11 +60,14 @@ class DraftModelRunner:
         self._held: list[list[int]] = [[] for _ in range(slots)]  # tokens in each draft sequence
         self.lengths = [DraftLength(config) for _ in range(slots)]
 
-    def start(self, seq_id: int, prompt: list[int]) -> None:
+    def start(self, seq_id: int, prompt: list[int], namespace: str = "") -> None:
         self.lengths[seq_id] = DraftLength(self.config)
 
     def accept(self, seq_id: int, tokens: list[int]) -> None:
         pass  # the next proposal catches the draft sequence up with the context it is given
+
+    def finished(self, seq_id: int) -> None:
+        pass
 
     def propose(self, turns: list[DraftTurn], rows: int) -> dict[int, list[int]]:
         """One batched drafting pass for all slots: rows are reserved before drafting."""

@@ -400,7 +400,7 @@ class Scheduler:
                 acceptance=Acceptance(self._acceptance.rate),
             ), leader=slot is leader)
             if speculative:
-                self._drafter.start(slot.seq_id, prompt)
+                self._drafter.start(slot.seq_id, prompt, namespace)
         leader.choice.owed = admission.preempting
         leader.choice.followers = followers
 
@@ -446,7 +446,8 @@ class Scheduler:
             raise EngineError("the preempted sequence could not be restored")
         slot.attach(paused.choice)
         if slot.choice.speculative:
-            self._drafter.start(slot.seq_id, [*slot.cache_tokens, slot.choice.pending_token])
+            self._drafter.start(slot.seq_id, [*slot.cache_tokens, slot.choice.pending_token],
+                                slot.request.cache_namespace)
 
     @staticmethod
     def _discard(item: WaitingRequest) -> None:
@@ -573,6 +574,8 @@ class Scheduler:
 
     def _answer_finished(self, slot: Slot) -> None:
         self.throughput.answer(slot.choice.n_generated)
+        if slot.choice.speculative:
+            self._drafter.finished(slot.seq_id)
         self._release(slot)
 
     # ------------------------------------------------------------------------ failures

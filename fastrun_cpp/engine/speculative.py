@@ -14,7 +14,7 @@ yield per second rises with it, from what steps of each size were measured to co
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -36,11 +36,14 @@ class Drafter(Protocol):
     """Where drafts come from: n-gram lookup in each slot's own context, or a draft model that
     drafts for all slots at once."""
 
-    def start(self, seq_id: int, prompt: list[int]) -> None:
-        """A new request in the slot."""
+    def start(self, seq_id: int, prompt: list[int], namespace: str = "") -> None:
+        """A new request in the slot, of the cache namespace `namespace` (its account's)."""
 
     def accept(self, seq_id: int, tokens: list[int]) -> None:
         """Tokens now part of the slot's answer."""
+
+    def finished(self, seq_id: int) -> None:
+        """The slot's answer came to its end."""
 
     def propose(self, turns: list[DraftTurn], rows: int) -> dict[int, list[int]]:
         """Drafts by slot, in `turns` order while the `rows` last; none shorter than
@@ -63,6 +66,10 @@ class SpeculationConfig:
     match_max: int = 32  # how far back a match is compared (longer: more sure)
     match_slack: int = 4  # candidates matched this much less than the best still vote
     agreement: float = 0.75  # share of the voting candidates that must agree on a drafted token
+    # N-gram drafts also follow the latest answers of the request's cache namespace, up to this
+    # many tokens of them: an account's answers often repeat a shape (a tool call with other
+    # values, a reply template) that its prompt does not hold.
+    answer_memory: int = 2048
     # Drafts fill the batch up to this many rows after the decode tokens of every slot (at
     # least one slot's longest draft): under load the batch is full of decode tokens and
     # speculation yields to batching.
@@ -294,11 +301,15 @@ class NgramDrafter:
     taken to be walking through it, and later drafts continue from the token after it, through
     the values where the candidates would disagree ("wick number 7" of record 4, since the
     answer is restating record 4), for as long as the context keeps equal to it. A token that
-    differs ends the copy, and drafts are looked up again."""
+    differs ends the copy, and drafts are looked up again.
 
-    def __init__(self, config: SpeculationConfig, prompt: list[int]) -> None:
+    `remembered` (earlier answers of the same namespace) goes before the prompt: its places are
+    candidates like any other, older than the prompt's."""
+
+    def __init__(self, config: SpeculationConfig, prompt: list[int], remembered: list[int] | None = None) -> None:
         self._config = config
-        self._tokens = list(prompt)
+        self._tokens = [*(remembered or ()), *prompt]
+        self.answer_start = len(self._tokens)  # the answer's tokens follow
         self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> where its occurrences end
         self._indexed = 0  # n-grams ending at or before this position are indexed
         self._source: int | None = None  # the copy being followed: the context's next token is expected to be this one
@@ -365,32 +376,71 @@ class NgramDrafter:
     def verified(self, drafted: int, accepted: int) -> None:
         self.length.verified(drafted, accepted)
 
+    def answer(self) -> list[int]:
+        """The tokens accepted since the prompt."""
+        return self._tokens[self.answer_start:]
+
+
+class AnswerMemory:
+    """The latest answers of each cache namespace, up to `tokens` tokens each, for the
+    namespaces used last (`namespaces` of them). Kept per namespace, as the prompt cache is: a
+    draft from another account's answer would be accepted, and so timed, on its words."""
+
+    def __init__(self, tokens: int, namespaces: int = 256) -> None:
+        self._tokens = tokens
+        self._namespaces = namespaces
+        self._answers: OrderedDict[str, deque[list[int]]] = OrderedDict()
+
+    def remember(self, namespace: str, answer: list[int]) -> None:
+        if self._tokens <= 0 or not answer:
+            return
+        answers = self._answers.setdefault(namespace, deque())
+        self._answers.move_to_end(namespace)
+        answers.append(answer[-self._tokens:])
+        held = sum(map(len, answers))
+        while held > self._tokens:
+            held -= len(answers.popleft())
+        while len(self._answers) > self._namespaces:
+            self._answers.popitem(last=False)
+
+    def recall(self, namespace: str) -> list[int]:
+        """The namespace's remembered answers, oldest first, end to end."""
+        return [token for answer in self._answers.get(namespace, ()) for token in answer]
+
 
 class NgramDrafting:
-    """The n-gram Drafter: one NgramDrafter per slot. Rows go to the drafts actually proposed,
-    so a slot whose context has no match takes none."""
+    """The n-gram Drafter: one NgramDrafter per slot, over its request's context and its
+    namespace's latest answers. Rows go to the drafts actually proposed, so a slot whose context
+    has no match takes none."""
 
     def __init__(self, config: SpeculationConfig) -> None:
         self._config = config
-        self._drafters: dict[int, NgramDrafter] = {}
+        self._drafters: dict[int, tuple[NgramDrafter, str]] = {}
+        self._memory = AnswerMemory(config.answer_memory)
 
-    def start(self, seq_id: int, prompt: list[int]) -> None:
-        self._drafters[seq_id] = NgramDrafter(self._config, prompt)
+    def start(self, seq_id: int, prompt: list[int], namespace: str = "") -> None:
+        drafter = NgramDrafter(self._config, prompt, self._memory.recall(namespace))
+        self._drafters[seq_id] = (drafter, namespace)
 
     def accept(self, seq_id: int, tokens: list[int]) -> None:
-        self._drafters[seq_id].accept(tokens)
+        self._drafters[seq_id][0].accept(tokens)
+
+    def finished(self, seq_id: int) -> None:
+        if (started := self._drafters.pop(seq_id, None)) is not None:
+            drafter, namespace = started
+            self._memory.remember(namespace, drafter.answer())
 
     def propose(self, turns: list[DraftTurn], rows: int) -> dict[int, list[int]]:
         drafts: dict[int, list[int]] = {}
         for turn in turns:
             limit = min(rows, turn.room)
-            if limit >= self._config.draft_min and (draft := self._drafters[turn.seq_id].propose(limit)):
+            if limit >= self._config.draft_min and (draft := self._drafters[turn.seq_id][0].propose(limit)):
                 drafts[turn.seq_id] = draft
                 rows -= len(draft)
         return drafts
 
     def verified(self, seq_id: int, drafted: int, accepted: int) -> None:
-        self._drafters[seq_id].verified(drafted, accepted)
+        self._drafters[seq_id][0].verified(drafted, accepted)
 
     def close(self) -> None:
         self._drafters.clear()
