@@ -15,6 +15,7 @@ yield per second rises with it, from what steps of each size were measured to co
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -306,10 +307,10 @@ class NgramDrafter:
     `remembered` (earlier answers of the same namespace) goes before the prompt: its places are
     candidates like any other, older than the prompt's."""
 
-    def __init__(self, config: SpeculationConfig, prompt: list[int], remembered: list[int] | None = None) -> None:
+    def __init__(self, config: SpeculationConfig, prompt: list[int], remembered: Sequence[int] = ()) -> None:
         self._config = config
-        self._tokens = [*(remembered or ()), *prompt]
-        self.answer_start = len(self._tokens)  # the answer's tokens follow
+        self._tokens = [*remembered, *prompt]
+        self._answer_start = len(self._tokens)  # the answer's tokens follow
         self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> where its occurrences end
         self._indexed = 0  # n-grams ending at or before this position are indexed
         self._source: int | None = None  # the copy being followed: the context's next token is expected to be this one
@@ -378,7 +379,7 @@ class NgramDrafter:
 
     def answer(self) -> list[int]:
         """The tokens accepted since the prompt."""
-        return self._tokens[self.answer_start:]
+        return self._tokens[self._answer_start:]
 
 
 class AnswerMemory:
@@ -415,32 +416,33 @@ class NgramDrafting:
 
     def __init__(self, config: SpeculationConfig) -> None:
         self._config = config
-        self._drafters: dict[int, tuple[NgramDrafter, str]] = {}
+        self._drafters: dict[int, NgramDrafter] = {}
+        self._namespaces: dict[int, str] = {}  # the cache namespace of each slot's request
         self._memory = AnswerMemory(config.answer_memory)
 
     def start(self, seq_id: int, prompt: list[int], namespace: str = "") -> None:
-        drafter = NgramDrafter(self._config, prompt, self._memory.recall(namespace))
-        self._drafters[seq_id] = (drafter, namespace)
+        self._drafters[seq_id] = NgramDrafter(self._config, prompt, self._memory.recall(namespace))
+        self._namespaces[seq_id] = namespace
 
     def accept(self, seq_id: int, tokens: list[int]) -> None:
-        self._drafters[seq_id][0].accept(tokens)
+        self._drafters[seq_id].accept(tokens)
 
     def finished(self, seq_id: int) -> None:
-        if (started := self._drafters.pop(seq_id, None)) is not None:
-            drafter, namespace = started
-            self._memory.remember(namespace, drafter.answer())
+        if (drafter := self._drafters.pop(seq_id, None)) is not None:
+            self._memory.remember(self._namespaces.pop(seq_id), drafter.answer())
 
     def propose(self, turns: list[DraftTurn], rows: int) -> dict[int, list[int]]:
         drafts: dict[int, list[int]] = {}
         for turn in turns:
             limit = min(rows, turn.room)
-            if limit >= self._config.draft_min and (draft := self._drafters[turn.seq_id][0].propose(limit)):
+            if limit >= self._config.draft_min and (draft := self._drafters[turn.seq_id].propose(limit)):
                 drafts[turn.seq_id] = draft
                 rows -= len(draft)
         return drafts
 
     def verified(self, seq_id: int, drafted: int, accepted: int) -> None:
-        self._drafters[seq_id][0].verified(drafted, accepted)
+        self._drafters[seq_id].verified(drafted, accepted)
 
     def close(self) -> None:
         self._drafters.clear()
+        self._namespaces.clear()
