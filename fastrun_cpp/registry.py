@@ -74,6 +74,10 @@ class ModelConfig(StrictModel):
     adapt_threads: bool = Field(
         True, description="Run fewer CPU threads while other processes keep the cores busy (never more than "
         "--threads): a thread waiting for a descheduled partner spins away its turn.")
+    stream_interval_ms: float = Field(
+        5.0, ge=0, le=100, description="A stream's tokens made faster than this go out together, each at most this "
+        "much later (first and last tokens at once): a write per token would take the CPU the model runs on. 0: "
+        "every token as it comes.")
     replicas: int = Field(1, ge=1, le=64, description="Engines serving the model (prefix-aware routing).")
     gpus: list[int] | None = None  # one replica per listed GPU (overrides `replicas`)
     gpu: GpuOptions = Field(default_factory=GpuOptions)
@@ -199,7 +203,7 @@ def _looks_like_a_path(value: str) -> bool:
 
 
 # Settings that override a ModelConfig field of the same name when given.
-MODEL_OVERRIDES = ("slots", "adapt_threads", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
+MODEL_OVERRIDES = ("slots", "adapt_threads", "stream_interval_ms", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
                    "max_queue", "queue_policy", "rope_scaling", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
                    "embedding_pooling")

@@ -109,6 +109,7 @@ class Settings(BaseSettings):
     threads: int = Field(default_factory=physical_cores, ge=1, description="CPU threads for decoding.",
                          json_schema_extra={"shown_default": "the physical cores"})
     adapt_threads: bool | None = _model_field("adapt_threads")
+    stream_interval_ms: float | None = _model_field("stream_interval_ms")
     backend: Literal["local", "ray"] = Field(
         "local", description="Where the engines run: in this process, or as a Ray Serve deployment of "
         "--replicas replicas (pip install 'fastrun-cpp[ray]').",

@@ -33,7 +33,7 @@ from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.prompt_cache import PromptCache
 from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest
 from fastrun_cpp.engine.request_queue import FairShareQueue, FifoQueue, WaitingRequest
-from fastrun_cpp.engine.scheduler import Scheduler
+from fastrun_cpp.engine.scheduler import Scheduler, StepPlan
 from fastrun_cpp.engine.slot import Slot
 from fastrun_cpp.engine.speculative import Drafter, NgramDrafting, SpeculationConfig
 from fastrun_cpp.engine.stats import EngineStats
@@ -77,6 +77,10 @@ class EngineConfig:
     # "fair": priorities, then fair shares of the accounts, preempting to keep both; "fifo":
     # first come, first served.
     queue_policy: str = "fair"
+    # Tokens a stream makes faster than this wait to go out together, at most this long: each
+    # hand-over wakes the event loop, whose Python per write takes CPU (and the GIL) from
+    # llama.cpp's threads on a small machine. 0: every step's tokens at once.
+    stream_interval_s: float = 0.0
 
 
 class Engine:
@@ -129,6 +133,8 @@ class Engine:
             eog_token_ids=frozenset(model.eog_token_ids), stats=self.stats)
         self._embeddings = EmbeddingJobs(self._new_embedder)
         self._unsent: list[GenerationOutput] = []  # outputs not yet handed to the handler
+        self._unsent_since: float | None = None  # when the oldest step output in it was made
+        self._last_step_s = 0.0
         self._thread_governor = ThreadGovernor(config.threads) if config.adapt_threads else None
 
         self._lock = threading.Condition()
@@ -259,9 +265,13 @@ class Engine:
     def _step(self) -> list[GenerationOutput]:
         step_started = time.perf_counter()
         plan = self._scheduler.schedule()
-        result = self._runner.execute(plan, before_decode=self._flush)
+        result = self._runner.execute(plan, before_decode=lambda: self._flush_unless_held(plan))
         outputs = self._scheduler.update_from_output(plan, result)
-        elapsed = time.perf_counter() - result.started
+        now = time.perf_counter()
+        elapsed = now - result.started
+        self._last_step_s = now - step_started
+        if outputs and self._unsent_since is None:
+            self._unsent_since = now
         self._scheduler.throughput.step(sum(len(output.token_ids) for output in outputs), elapsed)
         self._runner.priced(result, elapsed)
         self.stats.steps += 1
@@ -291,8 +301,23 @@ class Engine:
     def _has_work(self) -> bool:
         return bool(self._scheduler.queue) or bool(self._embeddings) or self._scheduler.has_active()
 
+    def _flush_unless_held(self, plan: StepPlan) -> None:
+        """Just before a step decodes: hand the outputs over, unless they may wait for this
+        step's (config.stream_interval_s). They wait only while their streams are fast: if the
+        oldest would still be within the interval once this step ends, if the step prefills no
+        prompt (a chunk can take long), and if none ends a choice or carries its first token
+        (the end and the time to the first token are never held)."""
+        interval = self.config.stream_interval_s
+        if (interval and self._unsent_since is not None and not plan.chunks
+                and time.perf_counter() - self._unsent_since + self._last_step_s < interval
+                and not any(output.finished or output.completion_tokens <= len(output.token_ids)
+                            for output in self._unsent)):
+            return
+        self._flush()
+
     def _flush(self) -> None:
         """Hand the outputs gathered so far to the output handler."""
+        self._unsent_since = None
         if not self._unsent:
             return
         outputs, self._unsent = self._unsent, []

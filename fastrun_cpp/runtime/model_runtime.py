@@ -211,6 +211,7 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
         prompt_cache_mib=config.prompt_cache_mib,
         max_queue=config.max_queue,
         queue_policy=config.queue_policy,
+        stream_interval_s=config.stream_interval_ms / 1000,
         swa_full=config.swa_full,
         flash_attn="on" if deterministic else config.gpu.flash_attn,
         cache_type_k=cache_type_k,
