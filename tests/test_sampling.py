@@ -67,9 +67,12 @@ def sample_story(client, model, **kwargs) -> str:
     return client.chat.completions.create(model=model, messages=STORY, max_tokens=24, **kwargs).choices[0].message.content
 
 
-def test_same_seed_same_text_different_seeds_differ(client, model):
-    assert sample_story(client, model, temperature=0.9, seed=42) == sample_story(client, model, temperature=0.9, seed=42)
-    assert len({sample_story(client, model, temperature=0.9, seed=seed) for seed in range(5)}) >= 3
+@pytest.mark.parametrize("top_k", [None, 40])
+def test_same_seed_same_text_different_seeds_differ(client, model, top_k):
+    """With top_k the draw is llama.cpp's dist sampler in the chain; without it, sampling.Dist."""
+    shape = {"temperature": 1.5, "extra_body": {"top_k": top_k} if top_k else None}
+    assert sample_story(client, model, seed=42, **shape) == sample_story(client, model, seed=42, **shape)
+    assert len({sample_story(client, model, seed=seed, **shape) for seed in range(5)}) >= 3
 
 
 async def test_seed_reproduces_while_other_requests_share_the_batch(async_client, model):
@@ -183,3 +186,54 @@ def test_the_draw_is_llama_cpps_dist_sampler(size):
         llama.llama_sampler_free(chain)
         assert ours == theirs
         assert len(set(ours)) > 1  # the draws did spread
+
+
+@pytest.mark.parametrize("size", [49152, 151936, 262144, 151665])
+def test_the_top_k_shortcut_hands_llama_cpps_chain_what_the_whole_vocabulary_would(size):
+    """Candidates.fill_top gives llama.cpp's chain only the tokens that can be among the k
+    highest logits. After top_k, top_p, min_p and temperature the chain holds the same tokens,
+    in the same order, with the same logits and probabilities, as when it gets the whole
+    vocabulary; where two of the highest logits are equal (llama.cpp's sort then decides
+    which goes first), or a logit is not a number, it declines and the whole vocabulary goes in.
+    151665 has no divisor near the group count: the shortcut never applies there."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as llama
+    import numpy as np
+
+    from fastrun_cpp.engine.sampling import Candidates
+
+    def chain_over(candidates: Candidates, k: int):
+        chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        for sampler in (llama.llama_sampler_init_top_k(k), llama.llama_sampler_init_top_p(0.95, 1),
+                        llama.llama_sampler_init_min_p(0.05, 1), llama.llama_sampler_init_temp(0.7)):
+            llama.llama_sampler_chain_add(chain, sampler)
+        llama.llama_sampler_apply(chain, candidates.array)
+        llama.llama_sampler_free(chain)
+        kept = candidates._all[: candidates._all_array.size]
+        return kept["id"].tolist(), kept["logit"].tobytes(), kept["p"].tobytes()
+
+    rng = np.random.default_rng(size)
+    whole, shortcut = Candidates(size), Candidates(size)
+    taken = declined = 0
+    for draw in range(60):
+        k = int(rng.choice([1, 2, 40, 100, 1000]))
+        logits = (rng.standard_normal(size) * rng.uniform(0.5, 8)).astype(np.float32)
+        logits[rng.integers(size, size=size // 4)] = -np.inf  # masked tokens
+        highest = np.argsort(logits)[::-1]
+        if draw % 4 == 1:  # two equal logits among the k highest (with k = 1: at the edge)
+            first, second = rng.choice(k, size=2, replace=False) if k > 1 else (0, 1)
+            logits[highest[first]] = logits[highest[second]]
+        elif draw % 4 == 2:  # a tie at the edge: the k-th and the (k+1)-th
+            logits[highest[k]] = logits[highest[k - 1]]
+        elif draw % 4 == 3:
+            logits[rng.integers(size)] = np.nan
+        whole.fill(logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        if shortcut.fill_top(logits, k):
+            taken += 1
+            assert draw % 4 == 0, "a tie or a NaN went through the shortcut"
+            assert chain_over(shortcut, k) == chain_over(whole, k)
+        else:
+            declined += 1
+    assert declined >= 45  # every tie and NaN
+    assert taken == (0 if size == 151665 else 15)

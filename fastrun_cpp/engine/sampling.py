@@ -18,6 +18,9 @@ from fastrun_cpp.engine.request import NO_TOKEN, SamplingParams
 MIN_REPETITION_PENALTY = 1e-3
 # Tokens whose probabilities Dist adds up at a time before it looks inside the block it needs.
 DRAW_BLOCK = 1024
+# About how many strided groups Candidates.fill_top splits the vocabulary into: their maxima give
+# a logit that at least k tokens reach, cheaply (one elementwise maximum across the rows).
+TOP_GROUPS = 1024
 
 
 class _CollectorTime:
@@ -105,6 +108,14 @@ class Dist:
             np.divide(logits, np.float32(temperature), out=head)
         np.subtract(head, head.max(), out=head)
         np.exp(head, out=head)
+        if size <= DRAW_BLOCK:
+            # What a truncating chain (top_k, top_p) leaves: one running sum, llama.cpp's own.
+            running = np.cumsum(head, dtype=np.float64)
+            total = float(running[-1])
+            if not (math.isfinite(total) and total > 0.0):
+                return None
+            index = min(int(np.searchsorted(running, total * draw)), size - 1)
+            return self._possible(head, index)
         probs[size:] = 0.0
         running = np.cumsum(np.add.reduce(probs.reshape(-1, DRAW_BLOCK), axis=1, dtype=np.float64))
         total = float(running[-1])
@@ -117,13 +128,25 @@ class Dist:
         if block:
             within += running[block - 1]
         index = start + min(int(np.searchsorted(within, target)), DRAW_BLOCK - 1)
-        if index >= size or probs[index] == 0.0:
-            # Only where the block sums' rounding moved a boundary onto an impossible token:
-            # the nearest possible one before it, else after it.
-            possible = np.flatnonzero(head)
-            before = possible[possible < index]
-            index = int(before[-1] if before.size else possible[0])
-        return index
+        return self._possible(head, index)
+
+    @staticmethod
+    def _possible(probs: np.ndarray, index: int) -> int:
+        """`index`, unless rounding moved a boundary onto an impossible token (past the end, or
+        of probability 0): then the nearest possible one before it, else after it."""
+        if index < probs.size and probs[index] != 0.0:
+            return index
+        possible = np.flatnonzero(probs)
+        before = possible[possible < index]
+        return int(before[-1] if before.size else possible[0])
+
+
+def _group_count(n_vocab: int) -> int:
+    """How many strided groups Candidates.fill_top splits a vocabulary into: the divisor of
+    n_vocab nearest TOP_GROUPS (real vocabularies have one: 49152, 151936, 262144...), at least
+    half and at most four times it; 0 where there is none (fill_top then never applies)."""
+    divisors = [d for d in range(TOP_GROUPS // 2, min(TOP_GROUPS * 4, n_vocab // 2) + 1) if n_vocab % d == 0]
+    return min(divisors, key=lambda d: abs(d - TOP_GROUPS), default=0)
 
 
 class Candidates:
@@ -139,6 +162,9 @@ class Candidates:
         self._all = np.zeros(n_vocab, dtype=self.DTYPE)
         self._all_array = token_data_array(self._all)
         self._scratch: np.ndarray | None = None
+        self._top_groups = _group_count(n_vocab)
+        # Token id of each group's member in each row (fill_top): group g holds g, g + groups, ...
+        self._group_rows = np.arange(0, n_vocab, self._top_groups or n_vocab)[:, None]
 
     def fill(self, logits: ctypes.POINTER(ctypes.c_float)):
         """All tokens with these logits; samplers may reorder and shrink the array in place."""
@@ -149,6 +175,40 @@ class Candidates:
         self._all_array.selected = -1
         self._all_array.sorted = False
         return self.array
+
+    def fill_top(self, logits: np.ndarray, k: int) -> bool:
+        """Only the tokens that can be among the `k` highest `logits`, for a chain that starts
+        with top_k(k): llama.cpp's top_k keeps the same tokens from them, in the same order, as
+        from the whole vocabulary, so the rest of the chain sees the same array, at a fraction
+        of the cost of filling and sorting the vocabulary. False, with nothing filled, where
+        that cannot be promised: two equal logits among the k highest or at their edge (which
+        goes first then depends on where llama.cpp's sort meets them), a logit that is not a
+        finite number, or a vocabulary that does not split into enough groups."""
+        groups = self._top_groups
+        if not 0 < k < groups:
+            return False
+        maxima = logits.reshape(-1, groups).max(axis=0)  # of each strided group of tokens
+        # The k-th highest maximum, which at least k tokens (the k groups' maxima) reach, so the
+        # k highest logits all do; and the highest, which is NaN if any logit is (NaN sorts last).
+        ranked = np.partition(maxima, (groups - k, groups - 1))
+        floor = ranked[groups - k]
+        if not math.isfinite(float(ranked[-1]) - float(floor)):
+            return False
+        ids = (np.flatnonzero(maxima >= floor) + self._group_rows).ravel()
+        values = logits[ids]
+        reached = values >= floor
+        ids, values = ids[reached], values[reached]
+        highest = np.sort(values)[-(k + 1):]
+        if (highest[1:] == highest[:-1]).any():
+            return False
+        kept = self._all[: ids.size]
+        kept["id"] = ids
+        kept["logit"] = values
+        kept["p"] = 0.0
+        self._all_array.size = ids.size
+        self._all_array.selected = -1
+        self._all_array.sorted = False
+        return True
 
     @property
     def array(self):
@@ -191,7 +251,8 @@ class SamplerChain:
 
     Order (llama.cpp's own): [grammar] -> logit bias -> penalties -> top_k -> top_p -> min_p ->
     temperature -> dist. Temperature 0 replaces the last four with greedy argmax. The chain
-    changes the logits; the Dist draws from what it leaves. The grammar is a
+    changes the logits; the Dist draws from what it leaves (llama.cpp's dist, in the chain,
+    where top_k leaves few). The grammar is a
     constraint.Constraint; a lazy one joins once its trigger appears (`observe`).
     """
 
@@ -212,11 +273,20 @@ class SamplerChain:
         # array llama.cpp's greedy sampler builds first (same token: its greedy keeps the first
         # maximum too).
         self._argmax = params.greedy and logits_as_computed
-        self._dist = None if params.greedy else Dist(params.seed)
+        # A chain that keeps at most DRAW_BLOCK tokens draws with llama.cpp's own dist sampler:
+        # over so few, its scalar loop costs less than the calls into numpy. Its stream is the
+        # Dist's for the same seed, but for the one seed it reads as "pick one at random".
+        seed = secrets.randbits(32) if params.seed is None else params.seed % 2**32
+        draws_in_chain = (not params.greedy and 0 < params.top_k <= DRAW_BLOCK
+                          and seed != llama.LLAMA_DEFAULT_SEED)
+        self._dist = None if params.greedy or draws_in_chain else Dist(seed)
         # Sampled with nothing but the temperature between the logits and the draw (OpenAI's
         # defaults): the Dist scales the logits where they lie, without the candidate array.
         self._temperature_only = (not params.greedy and logits_as_computed and params.top_k <= 0
                                   and params.top_p >= 1.0 and params.min_p <= 0.0)
+        # Sampled with top_k first in the chain: the chain gets only the tokens that can make
+        # the top k (Candidates.fill_top).
+        self._top_k_first = not params.greedy and logits_as_computed and params.top_k > 0
         self._grammar = grammar  # a Constraint, owned here, kept out of the chain (see sample())
         self.grammar_ms = 0.0  # CPU time the grammar took in the last sample()
         self._lazy = lazy_grammar  # a grammar.LazyGrammar waiting for its trigger
@@ -246,6 +316,8 @@ class SamplerChain:
         if params.min_p > 0.0:
             self._add(llama.llama_sampler_init_min_p(params.min_p, 1))
         self._add(llama.llama_sampler_init_temp(params.temperature))
+        if draws_in_chain:
+            self._add(llama.llama_sampler_init_dist(seed))
 
     def _add(self, sampler: llama.llama_sampler_p) -> None:
         llama.llama_sampler_chain_add(self._chain, sampler)  # the chain now owns it
@@ -323,12 +395,14 @@ class SamplerChain:
             logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
             index = self._dist.pick(logits, candidates.scratch, self.params.temperature)
             return NO_TOKEN if index is None else index
-        candidates.fill(logits_pointer)
+        if not (self._top_k_first and candidates.fill_top(
+                np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,)), self.params.top_k)):
+            candidates.fill(logits_pointer)
         return self._pick_from(candidates)
 
     def _pick_from(self, candidates: Candidates) -> int:
         """The chain over the filled (perhaps masked) candidates, then the pick: llama.cpp's
-        greedy sampler picks inside the chain, a Dist after it."""
+        greedy or dist sampler picks inside the chain, a Dist after it."""
         llama.llama_sampler_apply(self._chain, candidates.array)
         if self._dist is None:
             return candidates.selected() if candidates.selected_is_possible() else NO_TOKEN
