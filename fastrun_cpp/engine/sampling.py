@@ -61,6 +61,12 @@ def token_data_array(data: np.ndarray) -> llama.llama_token_data_array:
     )
 
 
+def seed32(seed: int | None) -> int:
+    """The 32-bit seed of a request's draws: its own, modulo 2**32, or a random one where it gave
+    none (llama.cpp's LLAMA_DEFAULT_SEED asks it for the same)."""
+    return secrets.randbits(32) if seed is None else seed % 2**32
+
+
 class Dist:
     """llama.cpp's dist sampler (`llama_sampler_init_dist`) in numpy: for a seed, the same
     Mersenne Twister stream (std::mt19937 and numpy's legacy RandomState seed it alike), the same
@@ -73,11 +79,10 @@ class Dist:
     each slot of every step, on the scheduler's thread. Here the exponentials are vectorised and the running sum is found a block
     of DRAW_BLOCK tokens at a time, so only the order of the double additions differs: the token
     drawn differs from llama.cpp's only when the draw lands within about 1e-12 of a boundary
-    between two tokens."""
+    between two tokens. Over at most DRAW_BLOCK tokens the sum runs in llama.cpp's own order."""
 
     def __init__(self, seed: int | None) -> None:
-        # No seed: a random one (llama.cpp's LLAMA_DEFAULT_SEED asks it for the same).
-        self._rng = np.random.RandomState(secrets.randbits(32) if seed is None else seed % 2**32)
+        self._rng = np.random.RandomState(seed32(seed))
         self._raw: list[int] = []  # 32-bit outputs not used yet, next last
 
     def uniform(self) -> float:
@@ -171,9 +176,7 @@ class Candidates:
         self._all["id"] = self._ids
         self._all["logit"] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
         self._all["p"] = 0.0
-        self._all_array.size = self.n_vocab
-        self._all_array.selected = -1
-        self._all_array.sorted = False
+        self._hand_over(self.n_vocab)
         return self.array
 
     def fill_top(self, logits: np.ndarray, k: int) -> bool:
@@ -205,10 +208,14 @@ class Candidates:
         kept["id"] = ids
         kept["logit"] = values
         kept["p"] = 0.0
-        self._all_array.size = ids.size
+        self._hand_over(ids.size)
+        return True
+
+    def _hand_over(self, size: int) -> None:
+        """The first `size` entries, as filled, are the array llama.cpp's samplers get next."""
+        self._all_array.size = size
         self._all_array.selected = -1
         self._all_array.sorted = False
-        return True
 
     @property
     def array(self):
@@ -276,7 +283,7 @@ class SamplerChain:
         # A chain that keeps at most DRAW_BLOCK tokens draws with llama.cpp's own dist sampler:
         # over so few, its scalar loop costs less than the calls into numpy. Its stream is the
         # Dist's for the same seed, but for the one seed it reads as "pick one at random".
-        seed = secrets.randbits(32) if params.seed is None else params.seed % 2**32
+        seed = seed32(params.seed)
         draws_in_chain = (not params.greedy and 0 < params.top_k <= DRAW_BLOCK
                           and seed != llama.LLAMA_DEFAULT_SEED)
         self._dist = None if params.greedy or draws_in_chain else Dist(seed)
