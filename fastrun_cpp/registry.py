@@ -5,7 +5,7 @@ model, or Hugging Face Hub files."""
 from __future__ import annotations
 
 import re
-import tomllib
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID, ModelNotFoundError, embedded_model_path
 from fastrun_cpp.parsers import ReasoningParserName, ToolParserName
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
 
 KVCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 

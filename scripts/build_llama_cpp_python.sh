@@ -2,19 +2,30 @@
 # Build llama-cpp-python from its pinned sdist with fastrun-cpp's llama.cpp patches
 # (scripts/llama_cpp_source.sh) and install it into PYTHON's environment.
 #
-#   CMAKE_ARGS="..." scripts/build_llama_cpp_python.sh PYTHON
+#   CMAKE_ARGS="..." scripts/build_llama_cpp_python.sh PYTHON [WHEEL_DIR]
 #
 # Used by `make setup` (CMAKE_ARGS from fastrun_cpp/cpu.py), the Containerfile and bench/gpu_check.sh.
+# The build takes its tools from PYTHON's environment (no isolated one: the locked
+# requirements/build.txt, not whatever scikit-build-core is newest that day). With WHEEL_DIR the
+# wheel is kept there, and a wheel already there is installed without building: the caller
+# keys that folder on the version, the options and the patches (the Makefile's LLAMA_KEY).
 set -euo pipefail
 python=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
 version=$("$root/scripts/llama_cpp_source.sh" version)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-source=$(PYTHON="$python" "$root/scripts/llama_cpp_source.sh" unpack "$work")
-# --no-cache-dir keeps pip from reusing a wheel built with other flags or patches;
-# --force-reinstall rebuilds over a copy already installed.
-"$python" -m pip install --no-cache-dir --force-reinstall --no-deps "$source"
+wheels=${2:-$work/wheels}
+if ! compgen -G "$wheels/llama_cpp_python-$version-*.whl" > /dev/null; then
+    source=$(PYTHON="$python" "$root/scripts/llama_cpp_source.sh" unpack "$work")
+    # --no-cache-dir keeps pip from reusing a wheel built with other flags or patches.
+    "$python" -m pip wheel --no-cache-dir --no-deps --no-build-isolation -w "$work/built" "$source"
+    # Moved in whole once built: an interrupted build leaves nothing to be taken for a wheel.
+    mkdir -p "$wheels"
+    mv "$work"/built/llama_cpp_python-"$version"-*.whl "$wheels"/
+fi
+# --force-reinstall replaces a copy already installed (pip calls any 0.3.x "satisfied").
+"$python" -m pip install --no-cache-dir --force-reinstall --no-deps "$wheels"/llama_cpp_python-"$version"-*.whl
 # Found, not imported: its dependencies are installed after it.
 package=$("$python" -c 'import importlib.util; print(importlib.util.find_spec("llama_cpp").submodule_search_locations[0])')
 # Every switch the patches add (each exports ggml_*_supported) is in the build, or the build

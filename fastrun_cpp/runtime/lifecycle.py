@@ -255,8 +255,10 @@ class ModelManager:
                                        int(FAILED_RETRY_S - (time.monotonic() - model.failed_at)) + 1)
             # A context of its own: not the request's that started it, which it would keep alive
             # (and with it that request's streams and the engines they point to) as long as it is kept.
-            model.loading = asyncio.create_task(self._load(model, evict), name=f"load {model.id}",
-                                                context=contextvars.Context())
+            # (Created inside an empty context, which the task copies: create_task's own
+            # `context=` argument is Python 3.11's.)
+            model.loading = contextvars.Context().run(asyncio.create_task, self._load(model, evict),
+                                                      name=f"load {model.id}")
             model.loading.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
         return model.loading
 
