@@ -15,6 +15,7 @@ from huggingface_hub.utils import tqdm as hub_tqdm
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
+    HFValidationError,
     HfHubHTTPError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
@@ -157,8 +158,11 @@ def cached_gguf(repo: str, filename: str | None = None) -> str | None:
             filename = choose_gguf([path.name for path in snapshot.iterdir()], repo)
         except HubError:
             return None
-    if all(isinstance(try_to_load_from_cache(repo, name), str) for name in shard_names(filename)):
-        return filename
+    try:
+        if all(isinstance(try_to_load_from_cache(repo, name), str) for name in shard_names(filename)):
+            return filename
+    except HFValidationError:  # an id of our pattern the Hub's rules still refuse (a--b/c): no such model
+        return None
     return None
 
 

@@ -260,6 +260,8 @@ def hub_model_id(model_id: str) -> tuple[str, str | None] | None:
     if len(model_id) > 400 or not _HUB_ID.fullmatch(model_id) or ".." in model_id:
         return None
     repo, _, filename = model_id.partition(":")
+    if "--" in repo:  # the Hub refuses it (its cache names repositories with "--" between the parts)
+        return None
     return repo, filename or None
 
 

@@ -139,7 +139,15 @@ class Settings(BaseSettings):
         "goes on), seconds.")
     hub_models: bool = Field(
         True, description="Also serve the GGUF models in the local Hugging Face cache, by their Hub id (owner/name or "
-        "owner/name:file.gguf), loaded when first asked for.")
+        "owner/name:file.gguf), loaded when first asked for: by an admin key (or in open loopback mode), and by "
+        "every key with --user-hub-models.")
+    user_hub_models: bool = Field(
+        False, description="Let user (not admin) keys name Hub-cache models no registry lists, and so load them: "
+        "off, a user key is served the registry's models and those an admin loaded or pulled.")
+    user_keep_alive_max: str = Field(
+        "1h", description="The longest keep_alive a user (not admin) key may ask for, as Ollama's keep_alive. A user "
+        "key may only lengthen a model's idle time (up to this); a shorter keep_alive than the model's own, which "
+        "would unload it under every other account, takes an admin key.")
     pull_max_gib: float = Field(
         256, gt=0, description="Largest model POST /v1/models/pull may download (all shards), GiB.")
     request_timeout_s: float = Field(600, gt=0, description="Limit for a request without streaming, seconds.")
@@ -190,7 +198,7 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt and answer text (off by default).")
     limits: Limits = Field(default_factory=Limits, description="Bounds on the work one request can ask for.")
-    @field_validator("keep_alive")
+    @field_validator("keep_alive", "user_keep_alive_max")
     @classmethod
     def _keep_alive(cls, value: str) -> str:
         from fastrun_cpp.keep_alive import parse_keep_alive

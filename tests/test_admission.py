@@ -81,8 +81,8 @@ def test_503_while_loading_past_the_load_wait_then_ready(tmp_path):
     with run_server("--debug-faults", "load-delay=20", "--load-wait-s", "1", "--slots", "1", "--ctx-size", "256",
                     log_dir=tmp_path, wait_until="/health") as server:
         ready = httpx.get(f"{server.root_url}/ready")
-        assert ready.status_code == 503
-        assert ready.json()["models"][DEFAULT_MODEL]["state"] == "loading"
+        assert ready.status_code == 503 and ready.json() == {"status": "not ready"}
+        assert server.health()["models"][DEFAULT_MODEL]["state"] == "loading"
         error = assert_spec_error(httpx.post(f"{server.base_url}/completions", json=SHORT, timeout=60), 503,
                                   "unavailable", retry_after=True)
         assert "loading" in error["message"]

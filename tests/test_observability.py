@@ -121,7 +121,8 @@ def test_metrics_can_be_turned_off_and_cors_on(tmp_path):
 def test_health_and_ready(server):
     assert httpx.get(f"{server.root_url}/health").json()["status"] == "ok"
     ready = httpx.get(f"{server.root_url}/ready")
-    assert ready.status_code == 200 and ready.json()["models"][DEFAULT_MODEL]["state"] == "ready"
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+    assert httpx.get(f"{server.root_url}/health").json()["models"][DEFAULT_MODEL]["state"] == "ready"
 
 
 def test_prompts_are_logged_only_when_asked(tmp_path):

@@ -230,6 +230,7 @@ class APIKeyMiddleware:
         if record is not None:
             record.account = key.account
             record.key_id = key.key_id
+            record.admin = key.admin
             record.cache_namespace = key.cache_namespace
             record.weight = key.weight
             record.min_priority = key.min_priority

@@ -22,6 +22,9 @@ class RequestRecord:
     weight: float = 1.0  # the account's share of the slots
     min_priority: int | None = None  # the most urgent priority the key may ask for (None: any)
     key_id: int | None = None  # the key it came with (None: a server without keys)
+    # May change what every account is served (load a model no registry lists, shorten a model's
+    # keep_alive): an admin key, or the one user of open loopback mode (as Ollama's).
+    admin: bool = True
     bulk: bool = False  # a batch line: runs behind every interactive request
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -149,10 +149,11 @@ class ModelManager:
     def __iter__(self):
         return iter(list(self._models.values()))
 
-    def get(self, model_id: str) -> ServedModel | None:
-        """The model by id, found in the registry or else by discovery (None: unknown)."""
+    def get(self, model_id: str, *, discover: bool = True) -> ServedModel | None:
+        """The model by id, found among those known (the registry's, those pulled or found
+        before) or else, with `discover`, by discovery (None: unknown)."""
         model = self._models.get(model_id)
-        if model is None and self._discover is not None and len(self._models) < self.max_models:
+        if model is None and discover and self._discover is not None and len(self._models) < self.max_models:
             config = self._discover(model_id)
             if config is not None:
                 model = self.add(config)
@@ -200,10 +201,10 @@ class ModelManager:
 
     # ------------------------------------------------------------------ leases
 
-    async def acquire(self, model_id: str, *, wait_s: float) -> ServedModel:
+    async def acquire(self, model_id: str, *, wait_s: float, discover: bool = True) -> ServedModel:
         """The model, loaded, leased to the caller (`release` it); its load is started (or
         joined) and waited for up to `wait_s`, then ModelUnavailable says it is still loading."""
-        model = self.get(model_id)
+        model = self.get(model_id, discover=discover)
         if model is None:
             raise UnknownModel(model_id)
         model.waiting += 1  # not evicted between its load and this lease

@@ -123,7 +123,9 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     manager = model_manager(settings, registry)
     models = OpenAIServingModels(manager, load_wait_s=settings.load_wait_s,
                                  hub_config=lambda model_id, repo, filename: hub_model(settings, model_id, repo, filename),
-                                 pull_max_bytes=int(settings.pull_max_gib * 2**30))
+                                 pull_max_bytes=int(settings.pull_max_gib * 2**30),
+                                 user_hub_models=settings.user_hub_models,
+                                 user_keep_alive_max_s=parse_keep_alive(settings.user_keep_alive_max))
     grammar_builder = GrammarBuilder(settings.limits, hang_on_request=Faults.parse(settings.debug_faults).schema_hang)
     usage = UsageRecorder(authenticator.store)
     metrics = ServerMetrics(models.engines, grammar_failures=lambda: (models.grammar_compile_failures(),

@@ -88,8 +88,8 @@ async def hello() -> dict:
 
 @health_router.get("/ready")
 async def ready(models: Annotated[OpenAIServingModels, Depends(serving_models)]) -> JSONResponse:
-    """200 once every configured model is loaded, 503 before (or if one failed)."""
-    status = models.status()
+    """200 once every configured model is loaded, 503 before (or if one failed), and nothing
+    more: it answers without a key, and each model's state and counters are /health's."""
     if models.all_ready:
-        return JSONResponse({"status": "ready", "models": status})
-    return JSONResponse({"status": "not ready", "models": status}, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "5"})

@@ -40,8 +40,13 @@ PROGRESS_EVERY_S = 0.25
 class OpenAIServingModels:
     def __init__(self, manager: ModelManager, *, load_wait_s: float,
                  hub_config: Callable[[str, str, str], ModelConfig] | None = None,
-                 pull_max_bytes: int | None = None) -> None:
+                 pull_max_bytes: int | None = None, user_hub_models: bool = False,
+                 user_keep_alive_max_s: float = 3600) -> None:
         self.manager = manager
+        # What a user (not admin) key may do to the models every account shares: name Hub-cache
+        # models no registry lists (and so load them), and lengthen a model's idle time this far.
+        self.user_hub_models = user_hub_models
+        self.user_keep_alive_max_s = user_keep_alive_max_s
         self.load_wait_s = load_wait_s  # how long a request waits for its model to load before a 503
         self.hub_config = hub_config  # (model id, repo, file) -> its configuration
         self.pull_max_bytes = pull_max_bytes
@@ -52,23 +57,42 @@ class OpenAIServingModels:
         return iter(self.manager)
 
     def knows(self, model_id: str) -> bool:
-        """Whether the id names a model this server can serve (loaded or not)."""
-        return self.manager.get(model_id) is not None
+        """Whether the id names a model this server can serve the caller (loaded or not)."""
+        return self.manager.get(model_id, discover=self._may_discover()) is not None
+
+    def _may_discover(self) -> bool:
+        """Whether the current request may bring in a Hub-cache model no registry lists: loading
+        it takes memory from every account's models (and may evict them under a budget)."""
+        record = current_record()
+        return record is None or record.admin or self.user_hub_models
+
+    def _keep_alive_for(self, model: ServedModel, asked_s: float | None) -> float | None:
+        """The keep_alive a request leaves its model with. A user key's may lengthen the model's
+        own idle time, up to --user-keep-alive-max, and never shorten it: keep_alive 0 from one
+        account would unload the model under every other (None: the model's own)."""
+        record = current_record()
+        if asked_s is None or record is None or record.admin:
+            return asked_s
+        if asked_s <= model.default_keep_alive_s:
+            return None
+        return min(asked_s, max(self.user_keep_alive_max_s, model.default_keep_alive_s))
 
     async def acquire(self, model_id: str, keep_alive_s: float | None = None) -> ServedModel:
         """The model, loaded (waiting for its load), held until the current request ends; 404
         for an unknown id, 503 with Retry-After while it loads or when it cannot."""
         record = current_record()
-        held = self.manager.get(model_id)
+        discover = self._may_discover()
+        held = self.manager.get(model_id, discover=discover)
         if record is not None and held is not None and model_id in record.leases \
                 and held.state is ModelState.READY:
             return held
         try:
-            model = await self.manager.acquire(model_id, wait_s=self.load_wait_s)
+            model = await self.manager.acquire(model_id, wait_s=self.load_wait_s, discover=discover)
         except UnknownModel:
             raise model_not_found(model_id) from None
         except ModelUnavailable as exc:
             raise APIError(503, str(exc), "unavailable", retry_after=exc.retry_after_s) from None
+        keep_alive_s = self._keep_alive_for(model, keep_alive_s)
         release = lambda: self.manager.release(model, keep_alive_s)  # noqa: E731
         if record is None or not record.hold(model_id, release):
             self.manager.release(model)  # nothing ends it: it stays leased only by requests that end
@@ -88,7 +112,7 @@ class OpenAIServingModels:
     # ------------------------------------------------------------------ load, unload (admin)
 
     def _known(self, model_id: str) -> ServedModel:
-        model = self.manager.get(model_id)
+        model = self.manager.get(model_id, discover=self._may_discover())
         if model is None:
             raise model_not_found(model_id)
         return model
@@ -227,8 +251,10 @@ class OpenAIServingModels:
         return status
 
     def list_models(self) -> ModelList:
-        """Every model it can serve: the registry's, those pulled, and the GGUFs in the Hub cache."""
-        self.manager.discover_all()
+        """Every model it can serve the caller: the registry's, those pulled, and the GGUFs in
+        the Hub cache (for a caller who may bring those in)."""
+        if self._may_discover():
+            self.manager.discover_all()
         cards = [model_card(model) for model in self.manager]
         return ModelList(data=cards, models=[codex_model_info(card) for card in cards if card.max_model_len])
 
