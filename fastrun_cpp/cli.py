@@ -167,6 +167,7 @@ def serve(overrides: dict[str, Any]) -> int:
     from fastrun_cpp.entrypoints.auth import is_loopback
     from fastrun_cpp.entrypoints.http_protocol import with_header_timeout
     from fastrun_cpp.entrypoints.openai.api_server import authenticator_for, build_app
+    from fastrun_cpp.entrypoints.openai.responses.sealed import SealSecretError
     from fastrun_cpp.logging_config import configure_logging
 
     settings = Settings(**_nest_limits(overrides))
@@ -194,8 +195,13 @@ def serve(overrides: dict[str, Any]) -> int:
     # uvicorn drains on SIGTERM, then re-raises the signal to whatever handler was there
     # before; a handler of ours makes that a clean exit (status 0) instead of death by signal.
     signal.signal(signal.SIGTERM, lambda *_: logger.info("shut down after SIGTERM"))
+    try:
+        app = build_app(settings, authenticator)
+    except SealSecretError as exc:
+        logger.error("%s", exc)
+        return 2
     uvicorn.run(
-        build_app(settings, authenticator),
+        app,
         host=settings.host,
         port=settings.port,
         http=with_header_timeout(settings.limits.header_timeout_s),

@@ -50,13 +50,15 @@ X86_64_V3 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 # off: its kernels need streaming mode support that Linux VMs often lack. i8mm stays off too:
 # with it ggml multiplies Q4_0, Q4_1, Q8_0 and Q4_K two rows at a time when a batch has an even
 # number of rows, in another float order than one row alone, so an answer would depend on
-# what else was in the batch (exact mode's promise).
+# what else was in the batch (exact mode's promise). armv8.6-a, the level sve2 takes, has i8mm
+# in it: it is taken out again by name (+noi8mm).
 ARM_EXTENSIONS: tuple[tuple[str, str, str], ...] = (
     ("asimddp", "+dotprod", "armv8.2-a"),
     ("asimdhp", "+fp16", "armv8.2-a"),
     ("sve", "+sve", "armv8.2-a"),
     ("sve2", "+sve2", "armv8.6-a"),
 )
+ARM_LEVEL_WITH_I8MM = "armv8.6-a"  # GCC's and Clang's armv8.6-a and later enable i8mm (and bf16)
 
 # llama_print_system_info()'s CPU features -> the flags the CPU must have for each.
 SYSTEM_INFO_FLAGS: dict[str, tuple[str, ...]] = {
@@ -134,6 +136,8 @@ def _isa_args(flags: frozenset[str], arch: str) -> list[str]:
             if feature in flags:
                 extensions += extension
                 level = max(level, min_level)
+        if level >= ARM_LEVEL_WITH_I8MM:
+            extensions += "+noi8mm"
         return ["-DGGML_NATIVE=OFF", f"-DGGML_CPU_ARM_ARCH={level}{extensions}"]
     # Other architectures (POWER, RISC-V, s390x...): the compiler's view of this machine.
     return ["-DGGML_NATIVE=ON"]

@@ -52,6 +52,24 @@ def test_arm_machines_get_their_own_extensions(flags, arch):
     assert built["GGML_NATIVE"] == "OFF" and built["GGML_CPU_ARM_ARCH"] == arch
 
 
+# A Neoverse V2 (Graviton4, Grace): sve2 and i8mm.
+NEOVERSE_V2 = GRAVITON3 + " sve2 sveaes svepmull svebitperm svesha3 svesm4 flagm2 frint svebf16 i8mm"
+
+
+@pytest.mark.parametrize("flags", [GRAVITON3, NEOVERSE_V2])
+def test_no_arm_build_turns_i8mm_on(flags):
+    """ggml's i8mm kernels take rows two at a time in another float order than one row alone:
+    with them an answer depends on its batch. The -march level sve2 needs (armv8.6-a) enables
+    i8mm by itself, so the build names it off; no level or extension we pick leaves
+    __ARM_FEATURE_MATMUL_INT8 (system_info's MATMUL_INT8) defined."""
+    arch = options(cpu.cmake_args(frozenset(flags.split()), "aarch64"))["GGML_CPU_ARM_ARCH"]
+    level, *extensions = arch.split("+")
+    assert "i8mm" not in extensions
+    if level >= cpu.ARM_LEVEL_WITH_I8MM or level.startswith("armv9"):
+        assert extensions[-1] == "noi8mm", arch
+    assert ("sve2" in extensions) == ("sve2" in flags.split())
+
+
 def test_portable_image_build_is_x86_64_v3():
     built = options(cpu.x86_64_v3_args())
     assert {name for name, value in built.items() if value == "ON"} == {

@@ -5,6 +5,8 @@ counters without a key; ids the Hub could never hold are 404s, not 500s. (Issue 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -117,3 +119,25 @@ def test_ready_says_ready_and_nothing_more(shared):
     # The per-model counters stay /health's, for an admin key.
     assert "stats" in str(httpx.get(f"{server.root_url}/health", headers=bearer(ops)).json()["models"])
     assert "stats" not in str(httpx.get(f"{server.root_url}/health").json())
+
+
+def test_an_account_named_nothing_is_refused(tmp_path):
+    """Open mode's files, responses and cache namespace belong to no account: an account named
+    "" would have shared them."""
+    db = tmp_path / "keys.sqlite3"
+    for name in ("", " ", "alice ", "a\nb", "x" * 129):
+        refused = keys_cli(db, "create", "--account", name)
+        assert refused.returncode != 0 and "no account name" in refused.stderr, (name, refused.stderr)
+    assert keys_cli(db, "create", "--account", "alice").returncode == 0
+
+
+@pytest.mark.parametrize("content", ["", "00" * 8, "not hex"])
+def test_a_seal_secret_that_is_empty_or_short_stops_the_server(tmp_path, content):
+    """Reasoning sealed for one account is opened only by that account: an empty HMAC key would
+    let anyone forge another account's seal, so the server does not start on one."""
+    (tmp_path / "keys.responses.sqlite3.secret").write_text(content)  # beside the key store
+    started = subprocess.run([sys.executable, "-m", "fastrun_cpp", "serve", "--port", "0",
+                              "--keys-db", str(tmp_path / "keys.sqlite3")],
+                             capture_output=True, text=True, timeout=60)
+    assert started.returncode == 2, started.stderr[-2000:]
+    assert "delete it and the server makes a new one" in started.stderr

@@ -73,7 +73,21 @@ _SERVED_COLUMNS = (("admin", 0), ("cache_group", None), ("weight", 1.0), ("min_p
 
 
 class KeyStoreError(Exception):
-    """The key store cannot be read or written."""
+    """The key store cannot be read or written, or refuses what it was asked to store."""
+
+
+def valid_account_name(account: str) -> bool:
+    """A name that is an account's alone: not "" (open mode's files, responses and cache
+    namespace have no account name), no surrounding spaces that would make two names look
+    alike, no control characters, at most 128 characters."""
+    return (0 < len(account) <= 128 and account == account.strip()
+            and not any(ord(c) < 32 or ord(c) == 127 for c in account))
+
+
+def check_account_name(account: str) -> None:
+    if not valid_account_name(account):
+        raise KeyStoreError(f"{account[:40]!r} is no account name: 1 to 128 characters, no surrounding spaces "
+                            "or control characters")
 
 
 def hash_key(key: str) -> str:
@@ -149,6 +163,7 @@ class KeyStore:
 
     def create_key(self, account: str, *, approve_new_account: bool = True) -> tuple[KeyInfo, str]:
         """Mint a key for `account` (creating the account if needed); the key is returned once."""
+        check_account_name(account)
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         now = int(time.time())
         with self._write() as db:
@@ -265,7 +280,7 @@ class KeyStore:
             ).fetchall()
         active = {}
         for r in rows:
-            if r[4] is not None:
+            if r[4] is not None or not valid_account_name(r[2]):  # revoked, or a name create_key refuses
                 continue
             served = {name: default if value is None else value
                       for (name, default), value in zip(_SERVED_COLUMNS, r[5:])}

@@ -24,15 +24,20 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "fr1."  # format version
 MAX_TOKEN_CHARS = 4 << 20  # a token is never decoded past this (the body limit bounds it too)
+SECRET_BYTES = 32  # what the server makes, and the least it takes from a file an operator wrote
+
+
+class SealSecretError(ValueError):
+    """The sealing key's file holds no usable key: the server refuses to start."""
 
 
 def load_secret(path: Path) -> bytes:
-    """The server's sealing key: read from `path`, made there (mode 0600, atomically) if absent."""
+    """The server's sealing key: read from `path`, made there (mode 0600, atomically) if absent.
+    A file that holds anything but a hex key of SECRET_BYTES or more is refused, never taken as
+    a short (or empty) HMAC key that would let anyone forge another account's seal."""
     path = Path(path).expanduser()
-    try:
-        return bytes.fromhex(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        pass
+    if path.exists():
+        return _read_secret(path)
     private_directory(path.parent)
     key = secrets.token_bytes(32)
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
@@ -44,7 +49,20 @@ def load_secret(path: Path) -> bytes:
         pass
     finally:
         temporary.unlink(missing_ok=True)
-    return bytes.fromhex(path.read_text().strip())
+    return _read_secret(path)
+
+
+def _read_secret(path: Path) -> bytes:
+    text = path.read_text().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise SealSecretError(f"{path} does not hold a hex key: delete it and the server makes a new one "
+                              "(reasoning sealed with the old key stops opening)") from None
+    if len(key) < SECRET_BYTES:
+        raise SealSecretError(f"{path} holds a {len(key)}-byte key, fewer than {SECRET_BYTES} bytes: delete it "
+                              "and the server makes a new one")
+    return key
 
 
 class ReasoningSeal:
