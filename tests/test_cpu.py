@@ -4,6 +4,7 @@ with one clear line instead of dying of an illegal instruction."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,19 @@ def test_no_arm_build_turns_i8mm_on(flags):
     if level >= cpu.ARM_LEVEL_WITH_I8MM or level.startswith("armv9"):
         assert extensions[-1] == "noi8mm", arch
     assert ("sve2" in extensions) == ("sve2" in flags.split())
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None,
+                    reason="needs an aarch64 cross compiler (Debian's gcc-aarch64-linux-gnu)")
+@pytest.mark.parametrize("flags", [GRAVITON3, NEOVERSE_V2])
+def test_the_compiler_defines_no_int8_matmul_for_our_arm_level(flags):
+    """What ggml's sources test (__ARM_FEATURE_MATMUL_INT8) under the -march we give, as the
+    compiler sees it; the extensions we asked for are there."""
+    arch = options(cpu.cmake_args(frozenset(flags.split()), "aarch64"))["GGML_CPU_ARM_ARCH"]
+    macros = subprocess.run(["aarch64-linux-gnu-gcc", f"-march={arch}", "-dM", "-E", "-"], input="",
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "__ARM_FEATURE_MATMUL_INT8" not in macros
+    assert ("__ARM_FEATURE_SVE2 " in macros) == ("sve2" in flags.split())
 
 
 def test_portable_image_build_is_x86_64_v3():
