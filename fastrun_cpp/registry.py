@@ -19,7 +19,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
-KVCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+# The KV cache types llama.cpp's CPU attention reads (llama-server's -ctk / -ctv choices).
+KVCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 
 
 class StrictModel(BaseModel):
@@ -40,9 +41,10 @@ class GpuOptions(StrictModel):
     split_mode: Literal["none", "layer", "row"] = "layer"
     tensor_split: list[float] | None = None  # share of the model per GPU
     flash_attn: Literal["auto", "on", "off"] = "auto"
-    # KV cache data types; K unset: bf16 in deterministic mode on the CPU (see ModelConfig), else f16.
+    # The KV cache types' old place (they apply on every device): ModelConfig's cache_type_k and
+    # cache_type_v take them when they are unset.
     cache_type_k: KVCacheType | None = None
-    cache_type_v: KVCacheType = "f16"
+    cache_type_v: KVCacheType | None = None
 
 
 class SamplingDefaults(StrictModel):
@@ -86,6 +88,14 @@ class ModelConfig(StrictModel):
     replicas: int = Field(1, ge=1, le=64, description="Engines serving the model (prefix-aware routing).")
     gpus: list[int] | None = None  # one replica per listed GPU (overrides `replicas`)
     gpu: GpuOptions = Field(default_factory=GpuOptions)
+    cache_type_k: KVCacheType | None = Field(
+        None, description="K cache data type, as llama-server's -ctk: f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 "
+        "or f32 (unset: f16; bf16 in exact mode on a build without fastrun's attention patch). q8_0 holds a token's "
+        "keys in about half of f16's memory; docs/caching-and-determinism.md says what each type does to exactness "
+        "and speed.")
+    cache_type_v: KVCacheType | None = Field(
+        None, description="V cache data type, as llama-server's -ctv (unset: f16). A quantized V needs flash "
+        "attention: on in exact mode, else --flash-attn auto or on.")
     prompt_cache_mib: int = Field(1024, ge=0, description="Host RAM (MiB) for KV prefixes saved from slots; 0: off.")
     prompt_cache_disk_gib: float = Field(
         4, ge=0, description="Disk (GiB) for KV prefixes under --prompt-cache-dir, kept across restarts; 0: off."
@@ -143,6 +153,14 @@ class ModelConfig(StrictModel):
             raise ValueError(f"model {self.id!r}: give either path or hub, not both")
         if self.path is None and self.hub is None and self.id != DEFAULT_MODEL_ID:
             raise ValueError(f"model {self.id!r} needs a path or a hub source")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_v_needs_flash_attention(self) -> ModelConfig:
+        # llama.cpp refuses the context (and the model would fail to load at its first request).
+        v = self.cache_type_v or self.gpu.cache_type_v or "f16"
+        if v not in ("f16", "bf16", "f32") and not self.deterministic and self.gpu.flash_attn == "off":
+            raise ValueError(f"model {self.id!r}: a {v} V cache needs flash attention (flash_attn auto or on)")
         return self
 
     @property
@@ -209,6 +227,7 @@ def _looks_like_a_path(value: str) -> bool:
 
 # Settings that override a ModelConfig field of the same name when given.
 MODEL_OVERRIDES = ("slots", "adapt_threads", "stream_interval_ms", "ctx_size", "batch_size", "replicas", "prompt_cache_mib", "prompt_cache_disk_gib",
+                   "cache_type_k", "cache_type_v",
                    "max_queue", "queue_policy", "rope_scaling", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
                    "embedding_pooling")

@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fastrun_cpp.default_model import DEFAULT_MODEL_ID
 from fastrun_cpp.limits import Limits
-from fastrun_cpp.registry import ModelConfig
+from fastrun_cpp.registry import KVCacheType, ModelConfig
 from fastrun_cpp.parsers import ReasoningParserName, ToolParserName
 
 
@@ -91,6 +91,8 @@ class Settings(BaseSettings):
         json_schema_extra={"shown_default": "$XDG_DATA_HOME/fastrun-cpp/prompt-cache"},
     )
     swa_full: bool | None = _model_field("swa_full")
+    cache_type_k: KVCacheType | None = _model_field("cache_type_k")
+    cache_type_v: KVCacheType | None = _model_field("cache_type_v")
     rope_scaling: Literal["auto", "gguf", "yarn", "linear"] | None = _model_field("rope_scaling")
     embeddings: bool | None = _model_field("embeddings")
     embedding_pooling: Literal["mean", "cls", "last"] | None = _model_field("embedding_pooling")

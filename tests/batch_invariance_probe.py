@@ -1,6 +1,6 @@
 """Logits of one text evaluated in differently shaped batches, for tests/test_batch_invariance.py.
 
-    python -m tests.batch_invariance_probe MODEL.gguf TOKENS [--no-repack]
+    python -m tests.batch_invariance_probe MODEL.gguf TOKENS [--no-repack] [--cache-type TYPE]
 
 Run in a process of its own: llama.cpp reads its kernel switches once per process. Prints, as
 JSON, for each way of evaluating the text, whether the logits at every sampled position are
@@ -17,11 +17,12 @@ import llama_cpp.llama_cpp as llama
 import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.context import CACHE_TYPES
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.runtime.model_runtime import repacked_weights_are_batch_invariant
 
 
-def context(model: LlamaModel, *, unified: bool, sequences: int) -> llama.llama_context_p:
+def context(model: LlamaModel, *, unified: bool, sequences: int, cache_type: str = "f16") -> llama.llama_context_p:
     params = llama.llama_context_default_params()
     params.n_ctx = 2048 * sequences
     params.n_batch = params.n_ubatch = 512
@@ -30,7 +31,7 @@ def context(model: LlamaModel, *, unified: bool, sequences: int) -> llama.llama_
     params.kv_unified = unified
     params.swa_full = True
     params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    params.type_k = params.type_v = llama.GGML_TYPE_F16
+    params.type_k = params.type_v = CACHE_TYPES[cache_type]
     ctx = llama.llama_init_from_model(model.handle, params)
     assert ctx, "no context"
     return ctx
@@ -67,18 +68,20 @@ def chunks(tokens: list[int], sizes: list[int], seq: int = 0) -> list[list[tuple
 
 def main() -> None:
     path, count = sys.argv[1], int(sys.argv[2])
+    options = sys.argv[3:]
+    cache_type = options[options.index("--cache-type") + 1] if "--cache-type" in options else "f16"
     logging.basicConfig(level=logging.DEBUG, format="%(message)s")  # llama.cpp's log: which buffers it loads into
     # The deterministic mode's weights: repacked where the build's switch allows it (--no-repack:
     # in ggml's layout, so that Q4_0 and IQ4_NL weights take llamafile's kernels, as those whose
     # rows do not divide by 8 do when served).
-    repack = repacked_weights_are_batch_invariant() and "--no-repack" not in sys.argv[3:]
+    repack = repacked_weights_are_batch_invariant() and "--no-repack" not in options
     model = LlamaModel(path, n_gpu_layers=0, repack=repack)
     words = " ".join(f"Entry {i}: the crate {i * 37 % 101} left dock {i % 9} for port {i * 13 % 17}." for i in range(400))
     tokens = model.tokenize(words, add_special=True)[:count]
     n_vocab = model.n_vocab
 
     def fresh(steps, *, unified=False, sequences=1, seq=0):
-        ctx = context(model, unified=unified, sequences=sequences)
+        ctx = context(model, unified=unified, sequences=sequences, cache_type=cache_type)
         try:
             return evaluate(ctx, n_vocab, steps, seq)
         finally:

@@ -44,13 +44,14 @@ def test_the_build_has_every_kernel_switch():
 
 
 def probe(model_path, tokens: int, switches: dict[str, str] | None = None,
-          repack: bool = True) -> tuple[dict[str, list[int]], str]:
+          repack: bool = True, cache_type: str = "f16") -> tuple[dict[str, list[int]], str]:
     """The positions whose logits differ, by way of evaluating, and llama.cpp's log; with
     deterministic mode's switches unless told others."""
     switches = deterministic_switches() if switches is None else switches
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("GGML_CPU_")}, **switches}
     command = [sys.executable, "-m", "tests.batch_invariance_probe", str(model_path), str(tokens)]
-    result = subprocess.run(command + ([] if repack else ["--no-repack"]),
+    command += ["--cache-type", cache_type] + ([] if repack else ["--no-repack"])
+    result = subprocess.run(command,
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
@@ -113,6 +114,29 @@ def test_rows_do_not_depend_on_the_batch(model, gemma_path, tmp_path):
         assert "CPU_REPACK model buffer size" in log, log[-2000:]
     if model.endswith("-unpacked"):
         assert "CPU_REPACK model buffer size" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("model, cache_type", [("smollm2", "q8_0"), ("smollm2", "q4_0"), ("smollm2", "iq4_nl"),
+                                               ("gemma3", "q8_0")])
+def test_a_quantized_kv_cache_keeps_rows_independent_of_the_batch(model, cache_type, gemma_path):
+    """--cache-type-k / -v (docs/caching-and-determinism.md): K and V of a quantized (or bf16)
+    type take llama.cpp's one-row flash-attention kernel, whatever the batch, so exact mode's
+    promise holds for every type it offers."""
+    from fastrun_cpp.default_model import embedded_model_path
+
+    path = gemma_path if model == "gemma3" else embedded_model_path()
+    differing, _ = probe(path, MODELS[model], cache_type=cache_type)
+    assert len(differing) == 3
+    assert differing == {way: [] for way in differing}, differing
+
+
+def test_an_f16_kv_cache_differs_without_the_attention_switch():
+    """What the probe sees of the KV cache: with f16 K and V and no switches, llama.cpp's tiled
+    attention kernels are picked by batch shape, and a row's logits change with its batch."""
+    from fastrun_cpp.default_model import embedded_model_path
+
+    differing, _ = probe(embedded_model_path(), 200, switches={}, cache_type="f16")
+    assert any(differing.values()), differing
 
 
 def test_one_row_f16_products_differ_without_the_llamafile_switch(tmp_path):

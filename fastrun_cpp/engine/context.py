@@ -21,7 +21,7 @@ CACHE_TYPES = {
     "f32": llama.GGML_TYPE_F32, "f16": llama.GGML_TYPE_F16, "bf16": 30,  # GGML_TYPE_BF16, not exported
     "q8_0": llama.GGML_TYPE_Q8_0,
     "q4_0": llama.GGML_TYPE_Q4_0, "q4_1": llama.GGML_TYPE_Q4_1, "q5_0": llama.GGML_TYPE_Q5_0,
-    "q5_1": llama.GGML_TYPE_Q5_1,
+    "q5_1": llama.GGML_TYPE_Q5_1, "iq4_nl": llama.GGML_TYPE_IQ4_NL,
 }
 _ROPE_SCALING = {"yarn": llama.LLAMA_ROPE_SCALING_TYPE_YARN, "linear": llama.LLAMA_ROPE_SCALING_TYPE_LINEAR}
 

@@ -22,7 +22,7 @@ MiB = 2**20
 
 # Bytes per element of each KV cache type (blocks of 32 for the quantized ones).
 _KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                  "q5_0": 22 / 32, "q5_1": 24 / 32}
+                  "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 

@@ -170,12 +170,13 @@ def kv_cache_types(config: ModelConfig) -> tuple[str, str]:
     on the batch: with fastrun's switch, the tiled kernel for equal f16/f32 types (as fast as
     llama.cpp gets); without it, the per-row kernel, which llama.cpp takes only for unequal
     types (with equal f16/f32 types it picks kernels by batch shape)."""
-    cache_type_v = config.gpu.cache_type_v
+    asked_k = config.cache_type_k or config.gpu.cache_type_k
+    cache_type_v = config.cache_type_v or config.gpu.cache_type_v or "f16"
     if not is_deterministic(config):
-        return config.gpu.cache_type_k or "f16", cache_type_v
+        return asked_k or "f16", cache_type_v
     if tiled_attention_is_batch_invariant():  # any other pair takes the per-row kernel
-        return config.gpu.cache_type_k or cache_type_v, cache_type_v
-    cache_type_k = config.gpu.cache_type_k or "bf16"
+        return asked_k or cache_type_v, cache_type_v
+    cache_type_k = asked_k or "bf16"
     if cache_type_k == cache_type_v and cache_type_k in ("f16", "f32"):
         logger.warning("%s: deterministic mode keeps K and V caches of different types with this llama.cpp build "
                        "(no batch-invariant tiled attention); K is bf16", config.id)
