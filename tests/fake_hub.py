@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -24,6 +25,7 @@ class FakeHub:
         self.cut_after: dict[str, int] = {}  # file name -> bytes to send before hanging up (once)
         self.claimed_size: dict[str, int] = {}  # file name -> the size HEAD says it has
         self.endless: set[str] = set()  # file names whose GET sends zeros, with no length, until the client leaves
+        self.trickling: set[str] = set()  # file names whose GET sends a byte every 0.2 s (60 s at most)
         self.url = ""
 
     def add(self, repo: str, name: str, source: Path) -> None:
@@ -98,6 +100,8 @@ def _handler(hub: FakeHub):
                 start = int(ranged[len("bytes="):].split("-")[0])
             if body and filename in hub.endless:
                 return self._endless()
+            if body and filename in hub.trickling:
+                return self._trickle(data)
             self.send_response(206 if start else 200)
             self.send_header("X-Repo-Commit", COMMIT)
             self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
@@ -116,6 +120,21 @@ def _handler(hub: FakeHub):
                 self.close_connection = True
                 return
             self.wfile.write(data[start:])
+
+        def _trickle(self, data: bytes) -> None:
+            """A download that stays in progress: its length said, a byte every 0.2 s."""
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.close_connection = True
+            try:
+                for index in range(min(len(data), 300)):
+                    self.wfile.write(data[index:index + 1])
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:  # the client left
+                pass
 
         def _endless(self) -> None:
             self.send_response(200)

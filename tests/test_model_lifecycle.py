@@ -4,6 +4,7 @@ the numbers, the admin-only load/unload/pull routes, and pulls with progress (a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -293,4 +294,34 @@ def test_hostile_pulls_are_bounded(tmp_path, hub):
             refused = httpx.post(f"{server.base_url}/models/pull", json=body, timeout=60)
             assert refused.status_code == 400, (body, refused.text)
         # The server goes on serving.
+        assert chat(server, "HuggingFaceTB/SmolLM2-135M-Instruct").status_code == 200
+
+
+def pull_status(server, model: str) -> int:
+    """The status a streamed pull is answered with; the stream is closed at once."""
+    with httpx.stream("POST", f"{server.base_url}/models/pull", json={"model": model}, timeout=60) as response:
+        return response.status_code
+
+
+def test_pulls_sent_together_take_at_most_two_places_and_give_them_back(tmp_path, hub):
+    """The cap of 2 pulls is taken when a pull is accepted, not when its stream starts (then
+    requests sent together all passed it); a stream its client drops gives its place back."""
+    for name in "abc":
+        hub.add_bytes(f"fastrun-test/slow-{name}-GGUF", "slow.gguf", b"GGUF" + bytes(1000))
+    hub.trickling.add("slow.gguf")  # each download stays in progress
+    with run_server(log_dir=tmp_path, env=hub_env(hub, tmp_path), startup_timeout=600) as server:
+
+        async def together() -> list[int]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                sent = [client.send(client.build_request("POST", f"{server.base_url}/models/pull",
+                                                         json={"model": f"fastrun-test/slow-{name}-GGUF"}),
+                                    stream=True) for name in "abc"]
+                responses = await asyncio.gather(*sent)
+                for response in responses:
+                    await response.aclose()
+                return sorted(response.status_code for response in responses)
+
+        assert asyncio.run(together()) == [200, 200, 429]
+        # The clients left: their places come back, and a pull is accepted again.
+        assert wait_until(lambda: pull_status(server, "fastrun-test/slow-a-GGUF") == 200, 120)
         assert chat(server, "HuggingFaceTB/SmolLM2-135M-Instruct").status_code == 200

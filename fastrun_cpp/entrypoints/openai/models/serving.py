@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+import weakref
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Callable
 
@@ -51,7 +52,7 @@ class OpenAIServingModels:
         self.hub_config = hub_config  # (model id, repo, file) -> its configuration
         self.pull_max_bytes = pull_max_bytes
         self.preload_done = False
-        self._pulls = 0
+        self._pull_places = _Places(MAX_PULLS)
 
     def __iter__(self):
         return iter(self.manager)
@@ -143,11 +144,17 @@ class OpenAIServingModels:
         the rate), then {"status": "success"}."""
         if hub_model_id(request.model) is None or ":" in request.model:
             raise bad_request(f"model: {request.model[:100]!r} is not a Hub repository (owner/name)")
-        if self._pulls >= MAX_PULLS:
+        # Taken here, with nothing awaited since the check: counted where the pull starts,
+        # concurrent requests all passed the check before any of them began.
+        give_back = self._pull_places.take()
+        if give_back is None:
             raise APIError(429, f"{MAX_PULLS} pulls are running, the most at once", "rate_limit_error",
                            retry_after=30)
         model_id = request.model if request.file is None else f"{request.model}:{request.file}"
-        events = self._pull_events(request, model_id)
+        events = self._pull_events(request, model_id, give_back)
+        # Given back when the pull ends, or when its stream is dropped unread (a client gone
+        # before its first event: the generator's own `finally` never runs then).
+        weakref.finalize(events, give_back)
         if request.stream:
             return (json.dumps(event) async for event in events)
         last: dict[str, Any] = {}
@@ -157,8 +164,8 @@ class OpenAIServingModels:
             raise APIError(last["status_code"], last["error"]["message"], last["error"]["type"])
         return last
 
-    async def _pull_events(self, request: ModelPullRequest, model_id: str) -> AsyncIterator[dict[str, Any]]:
-        self._pulls += 1
+    async def _pull_events(self, request: ModelPullRequest, model_id: str,
+                           give_back: Callable[[], None]) -> AsyncIterator[dict[str, Any]]:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         stopped = threading.Event()
@@ -202,7 +209,7 @@ class OpenAIServingModels:
                    "seconds": round(time.monotonic() - started, 2)}
         finally:
             stopped.set()  # a client gone mid-download stops it at its next chunk
-            self._pulls -= 1
+            give_back()
 
     # ------------------------------------------------------------------ what is served
 
@@ -257,6 +264,29 @@ class OpenAIServingModels:
             self.manager.discover_all()
         cards = [model_card(model) for model in self.manager]
         return ModelList(data=cards, models=[codex_model_info(card) for card in cards if card.max_model_len])
+
+
+class _Places:
+    """At most `most` of a kind of work at once (on the event loop): take() a place, or None
+    when all are taken; the function it returns gives the place back, once however often called."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.taken = 0
+
+    def take(self) -> Callable[[], None] | None:
+        if self.taken >= self.most:
+            return None
+        self.taken += 1
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self.taken -= 1
+
+        return give_back
 
 
 def _pull_error(status: int, message: str, error_type: str) -> dict[str, Any]:
