@@ -199,6 +199,10 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt and answer text (off by default).")
+    reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(
+        "reasoning", description="The field a chat answer's reasoning text is in: reasoning (the spec's; vLLM's and "
+        "OpenRouter's), reasoning_content (DeepSeek's and llama-server's, what many chat front-ends read) or both. "
+        "Requests may send either back.")
     limits: Limits = Field(default_factory=Limits, description="Bounds on the work one request can ask for.")
     @field_validator("keep_alive", "user_keep_alive_max")
     @classmethod

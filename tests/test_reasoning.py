@@ -3,6 +3,8 @@ text is split into `message.reasoning` / `delta.reasoning`."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -79,3 +81,36 @@ def test_a_model_that_cannot_think_returns_null_reasoning(server, model):
     message = response["choices"][0]["message"]
     assert "reasoning" in message and message["reasoning"] is None
     assert message["content"]
+
+
+@pytest.mark.parametrize("reasoning_format, names", [("reasoning_content", ("reasoning_content",)),
+                                                      ("both", ("reasoning", "reasoning_content"))])
+def test_reasoning_format_names_the_field(tmp_path, reasoning_format, names):
+    """--reasoning-format: DeepSeek's `reasoning_content` (llama-server's default, what many chat
+    front-ends read), or both names; the text is the same, streamed or not."""
+    template = tmp_path / "think.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    with run_server("--chat-template-file", str(template), "--reasoning-format", reasoning_format,
+                    "--slots", "1", "--ctx-size", "1024", log_dir=tmp_path) as server:
+        body = {"model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 20, "temperature": 0,
+                "reasoning_effort": "high"}
+        message = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        assert {name for name in ("reasoning", "reasoning_content") if name in message} == set(names)
+        text = message[names[0]]
+        assert text and all(message[name] == text for name in names)
+        streamed = {name: "" for name in names}
+        with httpx.stream("POST", f"{server.base_url}/chat/completions", json={**body, "stream": True},
+                          timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        assert not set(choice["delta"]) & ({"reasoning", "reasoning_content"} - set(names))
+                        for name in names:
+                            streamed[name] += choice["delta"].get(name) or ""
+        assert all(value == text for value in streamed.values()), streamed
+        # Either name is taken back in an assistant turn, as clients of either kind send it.
+        for name in ("reasoning", "reasoning_content"):
+            turn = {"role": "assistant", "content": "36.", name: text}
+            again = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
+                               json={**body, "messages": [*QUESTION, turn, {"role": "user", "content": "And 4?"}]})
+            assert again.status_code == 200, again.text

@@ -181,7 +181,8 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_models = models
     app.state.grammar_builder = grammar_builder
     app.state.authenticator = authenticator
-    app.state.serving_chat = chat = OpenAIServingChat(models, **serving_options)
+    app.state.serving_chat = chat = OpenAIServingChat(models, reasoning_format=settings.reasoning_format,
+                                                      **serving_options)
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)
     store = response_store(settings)

@@ -138,8 +138,16 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     # An assistant turn's reasoning, for templates that render it (`reasoning_content`, as
-    # llama-server and vLLM take it); templates that drop past reasoning ignore it.
+    # llama-server and vLLM take it, or `reasoning`, as this server writes it by default: a
+    # client sends back what it was given); templates that drop past reasoning ignore it.
     reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _either_reasoning_name(self) -> ChatMessage:
+        if self.reasoning_content is None:
+            self.reasoning_content = self.reasoning
+        return self
 
     @field_validator("content", mode="after")
     @classmethod
@@ -212,7 +220,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class ChatResponseMessage(ResponseModel):
-    omit_if_none = frozenset({"tool_calls"})
+    omit_if_none = frozenset({"tool_calls", "reasoning_content"})
+    renames_reasoning = True
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning: str | None = None
@@ -253,7 +262,8 @@ class ToolCallDelta(ResponseModel):
 
 
 class ChatDelta(ResponseModel):
-    omit_if_none = frozenset({"role", "content", "reasoning", "tool_calls"})
+    omit_if_none = frozenset({"role", "content", "reasoning", "reasoning_content", "tool_calls"})
+    renames_reasoning = True
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None

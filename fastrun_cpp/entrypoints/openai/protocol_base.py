@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
 
 # The longest answer Messages and Responses take (their providers' own output limit; chat and
@@ -43,10 +43,18 @@ class ResponseModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     omit_if_none: ClassVar[frozenset[str]] = frozenset()
+    # Chat's reasoning text, which clients read as `reasoning` (the spec's; vLLM, OpenRouter) or
+    # as `reasoning_content` (DeepSeek's, llama-server's): written under the names the
+    # serialization context's "reasoning_names" lists (--reasoning-format), `reasoning` without one.
+    renames_reasoning: ClassVar[bool] = False
 
     @model_serializer(mode="wrap")
-    def _omit_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _omit_nones(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
         data = handler(self)
+        if self.renames_reasoning and isinstance(info.context, dict) and "reasoning" in data:
+            text = data.pop("reasoning")
+            for name in info.context.get("reasoning_names", ("reasoning",)):
+                data[name] = text
         for name in self.omit_if_none:
             if data.get(name, 0) is None:
                 del data[name]

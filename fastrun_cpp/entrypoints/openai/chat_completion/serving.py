@@ -156,20 +156,28 @@ class _Plan:
                                 tools=self.tool_parser, max_calls=self.max_calls, closed_keys=self.closed_keys)
 
 
+# --reasoning-format: the names chat answers give the reasoning text.
+REASONING_NAMES = {"reasoning": ("reasoning",), "reasoning_content": ("reasoning_content",),
+                   "both": ("reasoning", "reasoning_content")}
+
+
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[str]:
+    def __init__(self, *args, reasoning_format: str = "reasoning", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dump_context = {"reasoning_names": REASONING_NAMES[reasoning_format]}
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         result = await self.answer(request)
         if isinstance(result, ChatCompletion):
-            return result
+            return result.model_dump(mode="json", context=self.dump_context)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return self._server_sent_events(self._chunks(result, request.model, include_usage))
 
-    @staticmethod
-    async def _server_sent_events(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
+    async def _server_sent_events(self, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
         """Chat chunks as `data:` payloads, an error as one event in the spec's shape, then [DONE]."""
         try:
             async for chunk in chunks:
-                yield chunk.model_dump_json()
+                yield chunk.model_dump_json(context=self.dump_context)
         except APIError as exc:
             yield stream_error_event(exc)
             return
