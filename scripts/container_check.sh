@@ -39,8 +39,12 @@ podman build --format docker --isolation=chroot "${volumes[@]}" --build-arg VARI
 
 echo "== start the image's entrypoint in a chroot"
 root=$(podman image mount "$image")
-trap 'kill "${server:-0}" 2>/dev/null || true; podman image unmount "$image" >/dev/null || true' EXIT
+trap 'kill "${server:-0}" 2>/dev/null || true; umount "$root/tmp" 2>/dev/null || true; podman image unmount "$image" >/dev/null || true' EXIT
 mount --bind /proc "$root/proc" 2>/dev/null || true
+# The mounted image is read-only; the server writes its key store, response store and seal
+# secret (all under /tmp here, as a /data volume would hold them) to a scratch folder.
+mkdir -p "$work/tmp" && chmod 1777 "$work/tmp"
+mount --bind "$work/tmp" "$root/tmp"
 chroot --userspec=10001:10001 "$root" env PATH=/opt/fastrun/bin:/usr/bin:/bin HOME=/home/fastrun \
     HF_HOME=/tmp/hf FASTRUN_KEYS_DB=/tmp/keys.sqlite3 \
     fastrun-cpp serve --host 127.0.0.1 --port "$port" --slots 2 --ctx-size 1024 &
