@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
@@ -22,25 +23,34 @@ logger = logging.getLogger(__name__)
 
 class _OutputCollector:
     """Holds a request's undelivered outputs, merged per choice, so a slow reader catches up
-    in a single read instead of falling behind token by token."""
+    in a single read instead of falling behind token by token; or, `stepwise`, each step's
+    output apart (bounded by the request's tokens), for a reader that may stop a choice at a
+    step of its own choosing."""
 
-    __slots__ = ("_outputs", "_ready")
+    __slots__ = ("_outputs", "_steps", "_ready")
 
-    def __init__(self) -> None:
+    def __init__(self, *, stepwise: bool = False) -> None:
         self._outputs: dict[int, GenerationOutput] = {}  # by choice index, in arrival order
+        self._steps: deque[GenerationOutput] | None = deque() if stepwise else None
         self._ready = asyncio.Event()
 
     def put(self, output: GenerationOutput) -> None:
-        held = self._outputs.get(output.index)
-        if held is None:
+        if self._steps is not None:
+            self._steps.append(output)
+        elif (held := self._outputs.get(output.index)) is None:
             self._outputs[output.index] = output
         else:
             held.merge(output)
         self._ready.set()
 
     async def get(self) -> GenerationOutput:
-        """The oldest choice's news (merged)."""
+        """The oldest news: one step's output, or the oldest choice's news merged."""
         await self._ready.wait()
+        if self._steps is not None:
+            output = self._steps.popleft()
+            if not self._steps:
+                self._ready.clear()
+            return output
         index = next(iter(self._outputs))
         output = self._outputs.pop(index)
         if not self._outputs:
@@ -146,7 +156,7 @@ class AsyncEngine:
         grammar = await self._grammars.compile(request.grammar) if request.grammar is not None else None
         if self._disk is not None and request.kind == "generate":
             await self._load_from_disk(request.prompt_tokens, request.cache_namespace)
-        collector = _OutputCollector()
+        collector = _OutputCollector(stepwise=request.stepwise_outputs)
         self._collectors[request.request_id] = collector
         try:
             self.engine.add_request(request, grammar)

@@ -82,6 +82,9 @@ class GenerationRequest:
     # session id); its turns go to the replica that served the last one.
     session: str = ""
     embed_inputs: list[list[int]] | None = None  # kind "embed": the token lists to embed, in order
+    # One output per engine step, never merged for a slow reader: the reader may end a choice
+    # at any step (a repeated tool call), and where it ends must not depend on how fast it read.
+    stepwise_outputs: bool = False
 
     @property
     def input_tokens(self) -> int:

@@ -218,6 +218,7 @@ class OpenAIServingChat(OpenAIServing):
             speculative=request.speculative is not False,
             priority=request.priority or 0,
             session=request.prompt_cache_key or "",
+            stepwise_outputs=tool_parser is not None,  # its calls may end a choice at any step
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:
@@ -406,10 +407,10 @@ class OpenAIServingChat(OpenAIServing):
         stopped: set[int] = set()
         collector = ChoiceCollector()
         async for output in self.outputs(served, stream):
-            collector.add(output)
             index = output.index
-            if index in stopped:
+            if index in stopped:  # decoded before the stop reached the engine: not part of the answer
                 continue
+            collector.add(output)
             parsers[index].feed(output.text, final=output.finished)
             if not output.finished and parsers[index].stop_requested:  # a repeated call, or the last allowed
                 stopped.add(index)
@@ -473,15 +474,16 @@ class OpenAIServingChat(OpenAIServing):
         yield AnswerStarted(answer_id=generation.request_id, created=unix_time(), choices=generation.n)
         async for output in self.outputs(served, stream):
             index = output.index
+            if index in stopped:  # decoded before the stop reached the engine: not part of the answer
+                continue
             if output.finished:
                 finals[index] = output
-            if index in stopped:
-                continue
             logprobs = chat_logprobs(token_bytes, output.logprobs) if output.logprobs else None
             if (delta := delta_of(index, output.text, logprobs=logprobs)) is not None:
                 yield delta
             if parsers[index].stop_requested and not output.finished:
                 stopped.add(index)
+                finals[index] = output  # its usage: the tokens up to the step that ended it
                 stream.stop_choice(index)
                 logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
                             generation.request_id, index)
