@@ -58,8 +58,8 @@ class Limits(BaseModel):
         "one (past it, the request ends); a grammar's CPU time ends a request only past ten times this, as a "
         "watchdog."
     )
-    schema_timeout_s: float = Field(5, gt=0, description="Time to turn a schema into a grammar (s).")
-    grammar_timeout_s: float = Field(10, gt=0, description="Time to compile a grammar (s).")
+    schema_timeout_s: float = Field(5, gt=0, description="CPU time to turn a schema into a grammar (s).")
+    grammar_timeout_s: float = Field(10, gt=0, description="CPU time to compile a grammar (s).")
     # Connections.
     header_timeout_s: float = Field(10, gt=0, description="Time a client may take to send its request headers (s).")
     body_timeout_s: float = Field(60, gt=0, description="Time a client may take to send its request body (s).")

@@ -28,7 +28,7 @@ from fastrun_cpp.engine.errors import GrammarError
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.engine.constraint import Constraint, GbnfConstraint, GuidanceConstraint
 from fastrun_cpp.engine.faults import GRAMMAR_HANG_TEXT
-from fastrun_cpp.killable import KillablePool, WorkerDied, WorkerTimeout, serve
+from fastrun_cpp.killable import WALL_TIME_FACTOR, KillablePool, WorkerDied, WorkerTimeout, serve
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.sampling import Candidates, grammar_clock
@@ -156,11 +156,13 @@ class GrammarCompiler:
         loop = asyncio.get_running_loop()
         # Checking a large grammar's text takes a while: off the event loop, too.
         await loop.run_in_executor(self._pool, self._check, spec)
-        # What compiled in the trial compiles here in about the same time: the time limit
-        # is now only a watchdog.
+        # What compiled in the trial compiles here in about the same CPU time: the limit is
+        # now only a watchdog, in wall time, so far past it that only a runaway meets it on a
+        # busy machine (without trials, the limit itself).
+        watchdog_s = self.limits.grammar_timeout_s * (WALL_TIME_FACTOR if self._trials is not None else 1)
         future = loop.run_in_executor(self._pool, self._compile, spec)
         try:
-            grammar = await asyncio.wait_for(asyncio.shield(future), self.limits.grammar_timeout_s)
+            grammar = await asyncio.wait_for(asyncio.shield(future), watchdog_s)
         except asyncio.TimeoutError:
             # Its thread cannot be stopped; a fresh pool keeps it from holding up the next ones.
             self.stuck += 1

@@ -5,6 +5,7 @@ time limits, usage, and the mapping of engine failures to API errors."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -382,6 +383,18 @@ class ChoiceCollector:
         if output.prompt_logprobs is not None:
             self._prompt_logprobs[index] = output.prompt_logprobs
         self.last[index] = output
+
+    def text(self, index: int) -> str:
+        """The choice's text so far."""
+        return "".join(self._texts.get(index, ()))
+
+    def cut(self, index: int, tokens: int) -> None:
+        """End the choice after its first `tokens` tokens: the rest of its last step is not
+        part of the answer, nor of its usage."""
+        del self._tokens[index][tokens:]
+        if index in self._logprobs:
+            del self._logprobs[index][tokens:]
+        self.last[index] = dataclasses.replace(self.last[index], completion_tokens=tokens)
 
     def result(self, index: int) -> GenerationOutput:
         last = self.last[index]

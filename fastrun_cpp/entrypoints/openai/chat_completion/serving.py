@@ -4,6 +4,8 @@ model thinks), n choices, and splitting each answer into reasoning, content and 
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -401,11 +403,36 @@ class OpenAIServingChat(OpenAIServing):
             return "tool_calls"
         return openai_finish_reason(reason)
 
+    @staticmethod
+    def _answer_token_bytes(served: ServedModel, generation: GenerationRequest) -> list[bytes]:
+        """Each token's bytes as the engine writes them into this request's text."""
+        tokenizer = served.runtime.tokenizer
+        return tokenizer.token_bytes_special if generation.render_special_tokens else tokenizer.token_bytes
+
+    @staticmethod
+    def _tokens_to_stop(plan: _Plan, before: str, tokens: list[int], token_bytes: list[bytes]) -> int:
+        """How many of a step's `tokens` the answer took before its calls ended it. A step
+        may bring several (accepted drafts, as many as speculation chose to verify, which
+        depends on timing): the answer, and what it counts, ends at the first token whose
+        text makes the stop certain, wherever and however fast it ran."""
+        if len(tokens) <= 1:
+            return len(tokens)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text = before
+        for taken, token in enumerate(tokens[:-1], start=1):
+            text += decoder.decode(token_bytes[token])
+            parser = plan.parser()
+            parser.feed(text)
+            if parser.stop_requested:
+                return taken
+        return len(tokens)
+
     async def _complete(self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
                         stream: EngineStream, plan: _Plan) -> ChatCompletion:
         parsers = [plan.parser() for _ in range(generation.n)]
         stopped: set[int] = set()
         collector = ChoiceCollector()
+        token_bytes = self._answer_token_bytes(served, generation)
         async for output in self.outputs(served, stream):
             index = output.index
             if index in stopped:  # decoded before the stop reached the engine: not part of the answer
@@ -414,6 +441,9 @@ class OpenAIServingChat(OpenAIServing):
             parsers[index].feed(output.text, final=output.finished)
             if not output.finished and parsers[index].stop_requested:  # a repeated call, or the last allowed
                 stopped.add(index)
+                before = collector.text(index)[:-len(output.text) or None]
+                collector.cut(index, output.completion_tokens - len(output.token_ids)
+                              + self._tokens_to_stop(plan, before, output.token_ids, token_bytes))
                 stream.stop_choice(index)
                 logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
                             generation.request_id, index)
@@ -450,6 +480,8 @@ class OpenAIServingChat(OpenAIServing):
         parsers = [plan.parser() for _ in range(generation.n)]
         stopped: set[int] = set()
         finals: dict[int, GenerationOutput] = {}
+        texts: dict[int, list[str]] = {}  # by choice: the text so far (to place a stop, see below)
+        answer_bytes = self._answer_token_bytes(served, generation)
 
         def delta_of(index: int, text: str, *, final: bool = False, logprobs=None) -> AnswerDelta | None:
             parsed = parsers[index].feed(text, final=final)
@@ -478,12 +510,16 @@ class OpenAIServingChat(OpenAIServing):
                 continue
             if output.finished:
                 finals[index] = output
+            texts.setdefault(index, []).append(output.text)
             logprobs = chat_logprobs(token_bytes, output.logprobs) if output.logprobs else None
             if (delta := delta_of(index, output.text, logprobs=logprobs)) is not None:
                 yield delta
             if parsers[index].stop_requested and not output.finished:
                 stopped.add(index)
-                finals[index] = output  # its usage: the tokens up to the step that ended it
+                # Its usage: the tokens up to the one that ended it.
+                finals[index] = dataclasses.replace(output, completion_tokens=(
+                    output.completion_tokens - len(output.token_ids)
+                    + self._tokens_to_stop(plan, "".join(texts[index][:-1]), output.token_ids, answer_bytes)))
                 stream.stop_choice(index)
                 logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
                             generation.request_id, index)
