@@ -203,6 +203,13 @@ class Settings(BaseSettings):
         "reasoning", description="The field a chat answer's reasoning text is in: reasoning (the spec's; vLLM's and "
         "OpenRouter's), reasoning_content (DeepSeek's and llama-server's, what many chat front-ends read) or both. "
         "Requests may send either back.")
+    reasoning_budget: int = Field(
+        -1, ge=-1, le=1 << 24, description="Most tokens a chat answer may reason for, where the request names no "
+        "budget (thinking_budget_tokens, reasoning_effort, Anthropic's thinking.budget_tokens): past it the server "
+        "closes the reasoning and the answer follows. -1: unlimited; 0: no thinking.")
+    reasoning_budget_message: str = Field(
+        "", max_length=4096, description="Text written into the reasoning when its budget ends it, before the "
+        "model's end-of-reasoning marker (for example \"Time is up; answering now.\").")
     limits: Limits = Field(default_factory=Limits, description="Bounds on the work one request can ask for.")
     @field_validator("keep_alive", "user_keep_alive_max")
     @classmethod

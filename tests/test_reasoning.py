@@ -114,3 +114,126 @@ def test_reasoning_format_names_the_field(tmp_path, reasoning_format, names):
             again = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
                                json={**body, "messages": [*QUESTION, turn, {"role": "user", "content": "And 4?"}]})
             assert again.status_code == 200, again.text
+
+
+# ---------------------------------------------------------------- reasoning budget
+
+def _spelled(choice: dict) -> str:
+    """The answer's text as its tokens spell it (logprobs' bytes), markers included."""
+    return b"".join(bytes(token["bytes"]) for token in choice["logprobs"]["content"]).decode()
+
+
+def _token_text(choice: dict, count: int) -> str:
+    return b"".join(bytes(token["bytes"]) for token in choice["logprobs"]["content"][:count]).decode()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_a_budget_closes_the_reasoning_after_exactly_its_tokens(thinking_client, share):
+    """The tiny model never writes </think> itself: with a budget, the server writes the closing
+    after exactly `budget` tokens of reasoning, and the model answers after it. Budgets from 1
+    to one short of what the model reasons unbounded (it may end with its end-of-turn token)."""
+    _, server = thinking_client
+    body = {"model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 40, "temperature": 0,
+            "reasoning_effort": "high", "logprobs": True}
+    unbounded = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120).json()
+    reasoned = len(unbounded["choices"][0]["logprobs"]["content"])
+    assert reasoned >= 3, unbounded
+    budget = 1 + round(share * (reasoned - 3))
+    body["thinking_budget_tokens"] = budget
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120).json()
+    choice = response["choices"][0]
+    spelled = _spelled(choice)
+    assert spelled.index("\n</think>\n\n") == len(_token_text(choice, budget)), spelled
+    assert "</think>" not in _token_text(choice, budget)
+    assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": budget}
+    assert choice["message"]["reasoning"] == _token_text(choice, budget) + "\n"
+    # The answer follows the closing; streamed, the same split and the same count.
+    assert spelled.endswith(choice["message"]["content"] or "")
+    reasoning, content, usage = "", "", None
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for part in chunk["choices"]:
+                    reasoning += part["delta"].get("reasoning") or ""
+                    content += part["delta"].get("content") or ""
+    assert (reasoning, content) == (choice["message"]["reasoning"], choice["message"]["content"] or "")
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": budget}
+
+
+def test_a_budget_of_0_turns_thinking_off_and_unlimited_leaves_it_on(thinking_client):
+    _, server = thinking_client
+    base = {"model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 0}
+    off = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
+                     json={**base, "reasoning_effort": "high", "reasoning_budget_tokens": 0}).json()
+    assert off["choices"][0]["message"]["reasoning"] is None and off["choices"][0]["message"]["content"]
+    unlimited = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
+                           json={**base, "thinking_budget_tokens": -1}).json()
+    assert unlimited["choices"][0]["message"]["reasoning"]  # a budget other than 0 turns thinking on
+    assert "completion_tokens_details" not in unlimited["usage"]
+
+
+def test_anthropic_budget_tokens_is_the_same_hard_cap(thinking_client):
+    _, server = thinking_client
+    chat = httpx.post(f"{server.base_url}/chat/completions", timeout=120, json={
+        "model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 30, "temperature": 0,
+        "reasoning_effort": "low", "thinking_budget_tokens": 6}).json()["choices"][0]["message"]
+    message = httpx.post(f"{server.base_url}/messages", timeout=120, json={
+        "model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 30, "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 6}}).json()
+    blocks = {block["type"]: block for block in message["content"]}
+    assert blocks["thinking"]["thinking"] == chat["reasoning"]
+    assert blocks.get("text", {}).get("text", "") == (chat["content"] or "")
+
+
+@pytest.mark.parametrize("field, value", [("thinking_budget_tokens", -2), ("thinking_budget_tokens", 1 << 40),
+                                          ("reasoning_budget_tokens", "many"), ("thinking_budget_tokens", 1e30)])
+def test_budgets_out_of_range_are_400s(thinking_client, field, value):
+    _, server = thinking_client
+    response = httpx.post(f"{server.base_url}/chat/completions", timeout=60, json={
+        "model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 5, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert field in response.json()["error"]["message"]
+    huge = httpx.post(f"{server.base_url}/messages", timeout=60, json={
+        "model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 5,
+        "thinking": {"type": "enabled", "budget_tokens": 1 << 40}})
+    assert huge.status_code == 400 and huge.json()["type"] == "error", huge.text
+
+
+# Harmony (gpt-oss) with the analysis channel opened by the prompt; the tiny model spells the
+# channel markers as plain text, which is what the budget's closing must produce too.
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant<|channel|>analysis<|message|>{% endif %}"
+)
+
+
+def test_the_server_budget_and_message_apply_to_each_reasoning_format(tmp_path):
+    """--reasoning-budget and --reasoning-budget-message, for `<think>` and for harmony: the
+    reasoning ends after exactly the budget, then the message, then the format's own closing."""
+    message = "Time is up."
+    for parser, template, closing, end in (("think", THINKING_TEMPLATE, f"{message}\n</think>\n\n", "</think>"),
+                                           ("harmony", HARMONY_TEMPLATE,
+                                            f"{message}<|end|><|start|>assistant<|channel|>final<|message|>",
+                                            "<|end|>")):
+        (tmp_path / f"{parser}.jinja").write_text(template)
+        (tmp_path / parser).mkdir()
+        with run_server("--chat-template-file", str(tmp_path / f"{parser}.jinja"), "--reasoning-parser", parser,
+                        "--reasoning-budget", "3", "--reasoning-budget-message", message,
+                        "--slots", "1", "--ctx-size", "1024", log_dir=tmp_path / parser) as server:
+            body = {"model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 40, "temperature": 0,
+                    "reasoning_effort": "medium", "logprobs": True}
+            response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120).json()
+            choice = response["choices"][0]
+            spelled = _spelled(choice)
+            assert closing in spelled, (parser, spelled)
+            assert spelled.index(closing) == len(_token_text(choice, 3)), (parser, spelled)
+            assert response["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+            assert choice["message"]["reasoning"] == _token_text(choice, 3) + closing[:closing.index(end)]
+            # A request's own budget wins over the server's.
+            wider = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
+                               json={**body, "thinking_budget_tokens": 5}).json()
+            assert wider["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from fastrun_cpp.engine.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
+    from fastrun_cpp.engine.reasoning_budget import ReasoningBudget
     from fastrun_cpp.structured.spec import GrammarSpec
 
 
@@ -85,6 +86,7 @@ class GenerationRequest:
     # One output per engine step, never merged for a slow reader: the reader may end a choice
     # at any step (a repeated tool call), and where it ends must not depend on how fast it read.
     stepwise_outputs: bool = False
+    reasoning_budget: ReasoningBudget | None = None  # at most so many tokens of reasoning
 
     @property
     def input_tokens(self) -> int:
@@ -113,6 +115,7 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first token (echo)
     drafted_tokens: int = 0  # speculative drafts verified for this choice so far
     accepted_tokens: int = 0  # of which accepted
+    reasoning_tokens: int = 0  # of the completion tokens so far, reasoning (counted under a budget)
     embeddings: list[list[float]] | None = None  # kind "embed": one vector per input, when finished
 
     @property
@@ -136,3 +139,4 @@ class GenerationOutput:
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.drafted_tokens = later.drafted_tokens
         self.accepted_tokens = later.accepted_tokens
+        self.reasoning_tokens = later.reasoning_tokens

@@ -396,6 +396,14 @@ class SamplerChain:
         llama.llama_sampler_accept(self._chain, token)
         return token
 
+    def accept_forced(self, token: int) -> None:
+        """A token the engine writes itself (a reasoning budget's closing): the grammar and
+        the penalties see it as if it had been picked."""
+        if self._grammar is not None and self._grammar.allows(token):
+            self._grammar.accept(token)
+        if self._penalties is not None:
+            llama.llama_sampler_accept(self._chain, token)
+
     def _pick(self, logits_pointer, candidates: Candidates) -> int:
         """The token picked from these logits, unconstrained."""
         if self._temperature_only:

@@ -22,6 +22,7 @@ from fastrun_cpp.engine.errors import CapacityError, EngineError
 from fastrun_cpp.engine.logprobs import TokenLogprob
 from fastrun_cpp.engine.output import OutputProcessor
 from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.reasoning_budget import ReasoningTracker
 from fastrun_cpp.engine.request_queue import Paused, RequestQueue, WaitingRequest, fair_share
 from fastrun_cpp.engine.slot import RunningChoice, Slot
 from fastrun_cpp.engine.speculative import Acceptance, Drafter, SpeculationConfig
@@ -398,6 +399,7 @@ class Scheduler:
                 stop_matcher=StopMatcher(request.stop),
                 speculative=speculative,
                 acceptance=Acceptance(self._acceptance.rate),
+                reasoning=ReasoningTracker(request.reasoning_budget) if request.reasoning_budget else None,
             ), leader=slot is leader)
             if speculative:
                 self._drafter.start(slot.seq_id, prompt, namespace)

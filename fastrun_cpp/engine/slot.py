@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastrun_cpp.engine.logprobs import TokenLogprob
+from fastrun_cpp.engine.reasoning_budget import ReasoningTracker
 from fastrun_cpp.engine.request import GenerationOutput, GenerationRequest
 from fastrun_cpp.engine.speculative import Acceptance
 from fastrun_cpp.engine.text import IncrementalDetokenizer, StopMatcher
@@ -40,6 +41,7 @@ class RunningChoice:
     watched_text: str = ""  # generated text, kept while a lazy grammar watches for its trigger
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # echo with logprobs
     prompt_logprobs_sent: bool = False
+    reasoning: ReasoningTracker | None = None  # its reasoning budget's count, when it has one
 
     @property
     def prompt_left(self) -> int:
@@ -66,6 +68,7 @@ class RunningChoice:
             completion_tokens=self.n_generated,
             drafted_tokens=self.drafted_total,
             accepted_tokens=self.accepted_total,
+            reasoning_tokens=self.reasoning.thought if self.reasoning is not None else 0,
             **fields,
         )
 

@@ -192,14 +192,22 @@ class StepRunner:
         emitted: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if choice.request.logprobs is not None else None
         sampler = choice.sampler
+        reasoning = choice.reasoning
         for position, batch_index in enumerate(rows):
-            try:
-                token = sampler.sample(self._ctx, batch_index, self._candidates)
-            except ConstraintError as exc:
-                return Picked([], None, len(draft), error=(
-                    f"the grammar cannot go on ({exc}); simplify the schema's patterns or repetitions "
-                    "(limit --limit-grammar-step-ms)"))
-            if sampler.constrained:
+            forced = reasoning.forced_token() if reasoning is not None else None
+            if forced is not None:  # the reasoning budget is spent: the engine writes its closing
+                token = forced
+                sampler.accept_forced(token)
+            else:
+                try:
+                    token = sampler.sample(self._ctx, batch_index, self._candidates)
+                except ConstraintError as exc:
+                    return Picked([], None, len(draft), error=(
+                        f"the grammar cannot go on ({exc}); simplify the schema's patterns or repetitions "
+                        "(limit --limit-grammar-step-ms)"))
+            if reasoning is not None:
+                reasoning.seen(token, self._model.token_bytes_special)
+            if sampler.constrained and forced is None:
                 # The grammar's CPU for this token: in the step, and ahead of it (MasksAhead).
                 grammar_ms = sampler.grammar_ms + 1000 * self._mask_seconds.pop(seq_id, 0.0)
                 self._stats.grammar_steps.observe(grammar_ms / 1000)

@@ -27,6 +27,11 @@ class ReasoningParser(ABC):
     # text that opens the reasoning when the model writes it itself.
     answer_marker: ClassVar[str]
     opening: ClassVar[str | None] = None
+    # For a reasoning budget: where the model's reasoning starts and ends, and what the server
+    # writes to end it at the budget (as the model would).
+    budget_start: ClassVar[str]
+    budget_end: ClassVar[str]
+    budget_closing: ClassVar[str]
 
     @abstractmethod
     def split(self, text: str, *, starts_in_reasoning: bool, final: bool) -> ReasoningSplit:
@@ -45,6 +50,7 @@ class ThinkTagParser(ReasoningParser):
     start, end = "<think>", "</think>"
     answer_marker = end
     opening = start
+    budget_start, budget_end, budget_closing = start, end, "\n</think>\n\n"
 
     def starts_in_reasoning(self, prompt: str) -> bool:
         tail = prompt.rstrip()
@@ -76,11 +82,18 @@ class HarmonyParser(ReasoningParser):
     name = "harmony"
     needs_special_tokens = True
     answer_marker = "<|channel|>final<|message|>"
+    budget_start, budget_end = "<|channel|>analysis<|message|>", "<|end|>"
+    budget_closing = "<|end|><|start|>assistant<|channel|>final<|message|>"
     _MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>", "<|call|>")
     _SEGMENT = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
                           re.S)
 
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return prompt.endswith(self.budget_start)  # the prompt opened the analysis channel
+
     def split(self, text: str, *, starts_in_reasoning: bool, final: bool) -> ReasoningSplit:
+        if starts_in_reasoning:
+            text = self.budget_start + text
         usable = text if final else text[: len(text) - partial_suffix(text, self._MARKERS)]
         reasoning, content = [], []
         for channel, body in self._SEGMENT.findall(usable):

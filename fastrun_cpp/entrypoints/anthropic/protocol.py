@@ -152,7 +152,7 @@ class ToolChoice(RequestModel):
 class ThinkingConfig(RequestModel):
     # adaptive: the model decides when and how much to think (output_config.effort guides it)
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    budget_tokens: Annotated[int, Field(ge=0, le=1 << 24)] | None = None
     display: str | None = None  # "omitted" / "summarized": reasoning comes back whole either way
 
 

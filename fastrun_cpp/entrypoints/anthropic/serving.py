@@ -174,6 +174,9 @@ def chat_request(request: CountTokensRequest, *, stream: bool = False) -> ChatCo
             data["parallel_tool_calls"] = False
     if (effort := _reasoning_effort(request)) is not None:
         data["reasoning_effort"] = effort
+    thinking = request.thinking
+    if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
+        data["thinking_budget_tokens"] = thinking.budget_tokens  # a hard cap, as Anthropic's own
     try:
         chat = ChatCompletionRequest.model_validate(data)
     except ValueError as exc:

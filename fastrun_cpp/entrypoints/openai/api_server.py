@@ -182,6 +182,8 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.grammar_builder = grammar_builder
     app.state.authenticator = authenticator
     app.state.serving_chat = chat = OpenAIServingChat(models, reasoning_format=settings.reasoning_format,
+                                                      reasoning_budget=settings.reasoning_budget,
+                                                      reasoning_budget_message=settings.reasoning_budget_message,
                                                       **serving_options)
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)

@@ -119,15 +119,27 @@ class CompletionLogprobs(ResponseModel):
     text_offset: list[int]
 
 
+# The largest reasoning budget a request may name (tokens): past any context window.
+MAX_REASONING_BUDGET = 1 << 24
+
+
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(ResponseModel):
+    omit_if_none = frozenset({"completion_tokens_details"})
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Of completion_tokens, those of reasoning: counted where a reasoning budget applies (OpenAI's field).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 # ------------------------------------------------------------------------ chat
@@ -198,6 +210,10 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None  # false: at most one call
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none", "low", "medium", "high"] | None = None
+    # A hard cap on the reasoning's tokens (-1 unlimited, 0 no thinking), llama-server's name
+    # and its alias; past it the server closes the reasoning and the answer follows.
+    thinking_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_REASONING_BUDGET)] | None = None
+    reasoning_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_REASONING_BUDGET)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     n: Annotated[int, Field(ge=1)] | None = None  # bounded by --limit-choices
     speculative: bool | None = None  # false: no speculative decoding for this request

@@ -34,6 +34,7 @@ from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstrea
 from fastrun_cpp.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CompletionTokensDetails,
     PromptTokensDetails,
     RequestModel,
     Usage,
@@ -69,9 +70,10 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
     return None
 
 
-def usage_of(outputs: list[GenerationOutput]) -> Usage:
+def usage_of(outputs: list[GenerationOutput], *, reasoning_counted: bool = False) -> Usage:
     """Usage of finished outputs: each prompt counted once (its first choice carries it), the
-    completions of every choice."""
+    completions of every choice; with `reasoning_counted` (the engine counted the reasoning,
+    under a budget), how many of them were reasoning."""
     prompt = sum(output.prompt_tokens for output in outputs if output.index == 0)
     cached = sum(output.cached_tokens for output in outputs if output.index == 0)
     completion = sum(output.completion_tokens for output in outputs)
@@ -80,6 +82,8 @@ def usage_of(outputs: list[GenerationOutput]) -> Usage:
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=CompletionTokensDetails(
+            reasoning_tokens=sum(output.reasoning_tokens for output in outputs)) if reasoning_counted else None,
     )
 
 
@@ -405,6 +409,7 @@ class ChoiceCollector:
             cached_tokens=last.cached_tokens, completion_tokens=last.completion_tokens,
             logprobs=self._logprobs.get(index), prompt_logprobs=self._prompt_logprobs.get(index),
             drafted_tokens=last.drafted_tokens, accepted_tokens=last.accepted_tokens,
+            reasoning_tokens=last.reasoning_tokens,
         )
 
     def results(self) -> list[GenerationOutput]:

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from fastrun_cpp.chat import ChatTemplateError
 from fastrun_cpp.chat.escape import ControlTextEscaper
 from fastrun_cpp.engine import FinishReason, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.reasoning_budget import ReasoningBudget
 from fastrun_cpp.entrypoints.answer import (
     AnswerDelta,
     AnswerEvent,
@@ -163,10 +164,17 @@ REASONING_NAMES = {"reasoning": ("reasoning",), "reasoning_content": ("reasoning
                    "both": ("reasoning", "reasoning_content")}
 
 
+# reasoning_effort's reasoning budgets (tokens; -1 unlimited), where no budget is named.
+EFFORT_BUDGETS = {"none": 0, "low": 1024, "medium": 8192, "high": -1}
+
+
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, reasoning_format: str = "reasoning", **kwargs) -> None:
+    def __init__(self, *args, reasoning_format: str = "reasoning", reasoning_budget: int = -1,
+                 reasoning_budget_message: str = "", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.dump_context = {"reasoning_names": REASONING_NAMES[reasoning_format]}
+        self.reasoning_budget = reasoning_budget  # --reasoning-budget: where a request names none
+        self.reasoning_budget_message = reasoning_budget_message
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         result = await self.answer(request)
@@ -221,6 +229,7 @@ class OpenAIServingChat(OpenAIServing):
             priority=request.priority or 0,
             session=request.prompt_cache_key or "",
             stepwise_outputs=tool_parser is not None,  # its calls may end a choice at any step
+            reasoning_budget=self._reasoning_budget(served, request, plan),
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:
@@ -248,14 +257,42 @@ class OpenAIServingChat(OpenAIServing):
         return runtime.tool_parser
 
     @staticmethod
-    def _thinking_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
-        """Template switches for reasoning: off unless reasoning_effort asks for it; the
-        request's own chat_template_kwargs win."""
+    def _named_budget(request: ChatCompletionRequest) -> int | None:
+        """The reasoning budget the request names itself (llama-server's field or its alias)."""
+        if request.thinking_budget_tokens is not None:
+            return request.thinking_budget_tokens
+        return request.reasoning_budget_tokens
+
+    def _thinking_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """Template switches for reasoning: off unless reasoning_effort, or a budget other than
+        0, asks for it; a budget of 0 turns it off. The request's own chat_template_kwargs win."""
         effort = request.reasoning_effort
-        kwargs: dict[str, Any] = {"enable_thinking": effort not in (None, "none")}
-        if effort not in (None, "none"):
+        budget = self._named_budget(request)
+        on = budget != 0 if budget is not None and effort is None else effort not in (None, "none") and budget != 0
+        kwargs: dict[str, Any] = {"enable_thinking": on}
+        if on and effort is not None:
             kwargs["reasoning_effort"] = effort
         return {**kwargs, **(request.chat_template_kwargs or {})}
+
+    def _reasoning_budget(self, served: ServedModel, request: ChatCompletionRequest,
+                          plan: _Plan) -> ReasoningBudget | None:
+        """The engine's hard cap on this answer's reasoning: the request's budget, else the
+        server's (--reasoning-budget), lowered to its effort's (EFFORT_BUDGETS); None when
+        unlimited or the model does not reason here."""
+        parser = plan.reasoning_parser
+        budget = self._named_budget(request)
+        if budget is None:
+            budgets = [self.reasoning_budget, EFFORT_BUDGETS[request.reasoning_effort or "high"]]
+            budget = min((b for b in budgets if b >= 0), default=-1)
+        if parser is None or budget < 0:
+            return None
+        tokenizer = served.runtime.tokenizer
+        message = self.reasoning_budget_message
+        closing = (tokenizer.tokenize_plain(message) if message else []) + tokenizer.tokenize(
+            parser.budget_closing, add_special=False, parse_special=True)
+        return ReasoningBudget(
+            tokens=budget, closing=tuple(closing), end=parser.budget_end.encode(),
+            start=None if plan.starts_in_reasoning else parser.budget_start.encode())
 
     def _thinking_on(self, request: ChatCompletionRequest) -> bool:
         return bool(self._thinking_kwargs(request).get("enable_thinking"))
@@ -470,7 +507,7 @@ class OpenAIServingChat(OpenAIServing):
                 stop_sequence=result.stop_sequence,
             ))
         return ChatCompletion(id=generation.request_id, created=unix_time(), model=request.model, choices=choices,
-                              usage=usage_of(results))
+                              usage=usage_of(results, reasoning_counted=generation.reasoning_budget is not None))
 
     async def _events(self, served: ServedModel, generation: GenerationRequest, stream: EngineStream,
                       plan: _Plan) -> AnswerEvents:
@@ -528,7 +565,8 @@ class OpenAIServingChat(OpenAIServing):
             elif output.finished:
                 for event in finish(index, output):
                     yield event
-        yield AnswerUsage(usage=usage_of([finals[i] for i in sorted(finals)]))
+        yield AnswerUsage(usage=usage_of([finals[i] for i in sorted(finals)],
+                                         reasoning_counted=generation.reasoning_budget is not None))
 
     @staticmethod
     async def _chunks(events: AnswerEvents, model: str, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
