@@ -31,6 +31,7 @@ class Limits(BaseModel):
         "recursion (templates, escaping, validation)."
     )
     embedding_inputs: int = Field(2048, ge=1, description="Inputs in one embeddings request.")
+    rerank_documents: int = Field(1000, ge=1, description="Documents in one rerank request (Cohere's bound).")
     # JSON schemas (response_format, tool parameters) and their patterns.
     schema_depth: int = Field(32, ge=1, description="Nesting depth of a JSON schema.")
     schema_nodes: int = Field(4096, ge=1, description="Subschemas, properties and enum values in a JSON schema.")

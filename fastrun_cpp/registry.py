@@ -127,6 +127,9 @@ class ModelConfig(StrictModel):
         "with the same vocabulary."
     )
     embeddings: bool = Field(False, description="Serve /v1/embeddings from this model too.")
+    rerank: bool = Field(False, description="Serve /v1/rerank from this model: a reranker GGUF (rank pooling and "
+                         "a classifier head, as Qwen3-Reranker or bge-reranker). On by itself for a GGUF that "
+                         "declares rank pooling.")
     embedding_pooling: Literal["mean", "cls", "last"] | None = Field(
         None, description="How an input's token vectors become one embedding; unset: the GGUF's, else mean."
     )
@@ -230,7 +233,7 @@ MODEL_OVERRIDES = ("slots", "adapt_threads", "stream_interval_ms", "ctx_size", "
                    "cache_type_k", "cache_type_v",
                    "max_queue", "queue_policy", "rope_scaling", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
-                   "embedding_pooling")
+                   "embedding_pooling", "rerank")
 
 
 def _overrides(settings) -> dict:

@@ -96,6 +96,7 @@ class Settings(BaseSettings):
     rope_scaling: Literal["auto", "gguf", "yarn", "linear"] | None = _model_field("rope_scaling")
     embeddings: bool | None = _model_field("embeddings")
     embedding_pooling: Literal["mean", "cls", "last"] | None = _model_field("embedding_pooling")
+    rerank: bool | None = _model_field("rerank")
     deterministic: bool | None = _model_field("deterministic")
     max_queue: int | None = _model_field("max_queue")
     queue_policy: Literal["fair", "fifo"] | None = _model_field("queue_policy")

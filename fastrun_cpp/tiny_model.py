@@ -4,6 +4,12 @@ own per-token cost (what a fast GPU would leave visible), serves as a vocabulary
 draft model, and can carry fill-in-the-middle tokens.
 
     python -m fastrun_cpp.tiny_model OUT.gguf [--like MODEL.gguf] [--fim] [--shape smollm2-135m --f16]
+    python -m fastrun_cpp.tiny_model OUT.gguf --reranker [--like MODEL.gguf]
+
+With --reranker it writes a Qwen3-Reranker of the same tiny shape instead: Qwen3's
+architecture, rank pooling over the last token, a two-label ("yes", "no") classifier head
+(`cls.output`, softmaxed by llama.cpp; the score is P(yes)) and Qwen3-Reranker's own prompt as
+the GGUF's `rerank` template, as llama.cpp's converter writes one.
 """
 
 from __future__ import annotations
@@ -87,6 +93,80 @@ def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0,
     return out
 
 
+# Qwen3-Reranker's prompt, as its GGUF's `tokenizer.chat_template.rerank` holds it ({query} and
+# {document} are filled in; llama-server and this server read it the same way).
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    "provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
+    "<Instruct>: Given a web search query, retrieve relevant passages that answer the query\n"
+    "<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+def write_tiny_reranker(out: Path, like: Path, *, seed: int = 0, shape: dict = TINY) -> Path:
+    """A random-weight Qwen3-Reranker (see the module's doc) with the tokenizer of `like`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(like))
+    writer = gguf.GGUFWriter(str(out), "qwen3")
+    writer.add_name("fastrun tiny random reranker")
+    width, ff, heads, kv_heads = (shape["embedding_length"], shape["feed_forward_length"], shape["head_count"],
+                                  shape["head_count_kv"])
+    head_width = width // heads
+    writer.add_block_count(shape["block_count"])
+    writer.add_context_length(shape["context_length"])
+    writer.add_embedding_length(width)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_width)
+    writer.add_value_length(head_width)
+    writer.add_rope_dimension_count(head_width)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_pooling_type(gguf.PoolingType.RANK)
+    writer.add_classifier_output_labels(["yes", "no"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer.") or name.startswith("tokenizer.chat_template"):
+            continue
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, field.types[0])
+    writer.add_key_value("tokenizer.chat_template.rerank", QWEN3_RERANK_TEMPLATE, gguf.GGUFValueType.STRING)
+    writer.add_vocab_size(n_vocab)
+    rng = np.random.default_rng(seed)
+    kv_width = head_width * kv_heads
+
+    def weights(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims) * 0.05).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", weights(n_vocab, width))
+    writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
+    # Two rows ("yes", "no"), larger than the rest, so that scores spread over (0, 1).
+    writer.add_tensor("cls.output.weight", (rng.standard_normal((2, width)) * 2.0).astype(np.float32))
+    for layer in range(shape["block_count"]):
+        prefix = f"blk.{layer}."
+        writer.add_tensor(prefix + "attn_norm.weight", np.ones(width, dtype=np.float32))
+        for name, rows in (("attn_q", width), ("attn_k", kv_width), ("attn_v", kv_width), ("attn_output", width)):
+            writer.add_tensor(prefix + name + ".weight", weights(rows, width))
+        writer.add_tensor(prefix + "attn_q_norm.weight", np.ones(head_width, dtype=np.float32))
+        writer.add_tensor(prefix + "attn_k_norm.weight", np.ones(head_width, dtype=np.float32))
+        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(width, dtype=np.float32))
+        writer.add_tensor(prefix + "ffn_gate.weight", weights(ff, width))
+        writer.add_tensor(prefix + "ffn_up.weight", weights(ff, width))
+        writer.add_tensor(prefix + "ffn_down.weight", weights(width, ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def main() -> None:
     from fastrun_cpp.default_model import embedded_model_path
 
@@ -97,7 +177,11 @@ def main() -> None:
     parser.add_argument("--fim", action="store_true", help="declare fill-in-the-middle tokens")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--f16", action="store_true", help="matrices in f16 (default f32)")
+    parser.add_argument("--reranker", action="store_true", help="write a Qwen3-Reranker (rank pooling) instead")
     args = parser.parse_args()
+    if args.reranker:
+        print(write_tiny_reranker(args.out, args.like or embedded_model_path(), shape=SHAPES[args.shape]))
+        return
     print(write_tiny_model(args.out, args.like or embedded_model_path(), fim=args.fim, shape=SHAPES[args.shape],
                            dtype=np.float16 if args.f16 else np.float32))
 

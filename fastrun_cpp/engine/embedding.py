@@ -26,8 +26,9 @@ POOLING = {
     "mean": llama.LLAMA_POOLING_TYPE_MEAN,
     "cls": llama.LLAMA_POOLING_TYPE_CLS,
     "last": llama.LLAMA_POOLING_TYPE_LAST,
+    "rank": llama.LLAMA_POOLING_TYPE_RANK,  # a reranker's classifier head: scores, not a vector
 }
-_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum as GGUF metadata stores it
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum as GGUF metadata stores it
 
 
 def model_pooling(model: LlamaModel, configured: str | None) -> str:
@@ -95,7 +96,8 @@ class Embedder:
         self._chunk = params.n_batch
         self._batch = TokenBatch(params.n_batch)
         self.max_tokens = max_tokens
-        self.dimensions = model.n_embd
+        # A reranker's outputs are its classifier's, one per label (llama.cpp softmaxes Qwen3's).
+        self.dimensions = llama.llama_model_n_cls_out(model.handle) if pooling == "rank" else model.n_embd
 
     def start(self, tokens: list[int]) -> PartialEmbedding:
         """Begin an input (the context holds one at a time: the previous one is dropped)."""
@@ -143,8 +145,10 @@ class Embedder:
         return np.ctypeslib.as_array(pointer, shape=(rows, self.dimensions)).astype(np.float64)
 
     def vector(self, partial: PartialEmbedding) -> list[float]:
-        """The unit-length (L2) pooled embedding of a finished input."""
+        """The unit-length (L2) pooled embedding of a finished input; a reranker's scores as they are."""
         assert partial.done and partial.pooled is not None
+        if self.pooling == "rank":
+            return partial.pooled.tolist()
         vector = partial.pooled / len(partial.tokens) if self.chunked and self.pooling == "mean" else partial.pooled
         norm = np.linalg.norm(vector)
         if norm > 0:

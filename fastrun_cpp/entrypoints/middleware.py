@@ -24,7 +24,8 @@ access_log = logging.getLogger("fastrun_cpp.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                     "/v1/messages/count_tokens", "/v1/embeddings", "/v1/models", "/v1/files", "/v1/batches",
+                     "/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/rerank",
+                     "/v1/reranking", "/v2/rerank", "/v1/models", "/v1/files", "/v1/batches",
                      "/health", "/ready", "/metrics"})
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):

@@ -16,6 +16,7 @@ from fastrun_cpp.engine import AsyncEngine, EngineConfig, Faults, LlamaModel
 from fastrun_cpp.engine.errors import check_prompt_length
 from fastrun_cpp.engine.backend import system_info
 from fastrun_cpp.engine.disk_cache import IDENTITIES_FILE, DiskPromptCache, file_identity, namespace_of
+from fastrun_cpp.engine.embedding import model_pooling
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import gpu_offload_available
 from fastrun_cpp.engine.speculative import SpeculationConfig
@@ -42,6 +43,9 @@ class ModelInfo:
     replicas: int
     deterministic: bool  # batch-invariant kernels are in use
     embedding_dimensions: int | None = None  # serves /v1/embeddings with vectors this long; None: does not
+    # Serves /v1/rerank (None: does not), with its GGUF's prompt for a query and a document
+    # ("": none; the pair is then joined with the vocabulary's separators, as llama-server does).
+    rerank_template: str | None = None
 
 
 class ModelRuntime:
@@ -197,6 +201,11 @@ def rope_scaling(config: ModelConfig, model: LlamaModel) -> str | None:
     return "yarn" if own in (None, "", "none") else None
 
 
+def reranks(config: ModelConfig, model: LlamaModel | None) -> bool:
+    """Whether the model serves /v1/rerank: asked for, or a GGUF that declares rank pooling."""
+    return config.rerank or (model is not None and model_pooling(model, None) == "rank")
+
+
 def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = None,
                   model: LlamaModel | None = None) -> EngineConfig:
     deterministic = is_deterministic(config)
@@ -219,8 +228,8 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
         cache_type_v=cache_type_v,
         op_offload=not deterministic,
         grammar_step_ms=(limits or Limits()).grammar_step_ms,
-        embeddings=config.embeddings,
-        embedding_pooling=config.embedding_pooling,
+        embeddings=config.embeddings or reranks(config, model),
+        embedding_pooling="rank" if reranks(config, model) else config.embedding_pooling,
         speculation=SpeculationConfig(kind=config.spec_type, draft_max=config.spec_draft_max,
                                       draft_min=min(config.spec_draft_min, config.spec_draft_max)),
     )
@@ -350,7 +359,9 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     info = ModelInfo(
         id=config.id, path=str(path), description=model.description, n_vocab=model.n_vocab,
         n_ctx_train=model.n_ctx_train, max_context=settings.ctx_size, slots=pool.slots, replicas=pool.replicas,
-        deterministic=deterministic, embedding_dimensions=model.n_embd if config.embeddings else None,
+        deterministic=deterministic,
+        embedding_dimensions=model.n_embd if config.embeddings and not reranks(config, model) else None,
+        rerank_template=(model.metadata("tokenizer.chat_template.rerank") or "") if reranks(config, model) else None,
     )
     logger.info(
         "serving %s (%s): %d x %d slots x %d-token context, batch %d, %d threads, KV %s/%s, %s; "

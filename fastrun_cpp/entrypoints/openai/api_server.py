@@ -36,6 +36,8 @@ from fastrun_cpp.entrypoints.openai.completion.router import router as completio
 from fastrun_cpp.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from fastrun_cpp.entrypoints.openai.embeddings.router import router as embeddings_router
 from fastrun_cpp.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from fastrun_cpp.entrypoints.openai.rerank.router import router as rerank_router
+from fastrun_cpp.entrypoints.openai.rerank.serving import OpenAIServingRerank
 from fastrun_cpp.entrypoints.openai.errors import install_error_handlers
 from fastrun_cpp.entrypoints.openai.files.router import router as files_router
 from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles
@@ -59,8 +61,8 @@ from fastrun_cpp.structured.builder import GrammarBuilder
 logger = logging.getLogger("fastrun_cpp")
 
 MAX_BODY_BYTES = 64 * 2**20  # the spec's request size limit
-API_ROUTERS = (chat_router, completion_router, responses_router, messages_router, embeddings_router, models_router,
-               files_router, batches_router)
+API_ROUTERS = (chat_router, completion_router, responses_router, messages_router, embeddings_router, rerank_router,
+               models_router, files_router, batches_router)
 
 
 def runtime_loader(settings: Settings) -> Loader:
@@ -187,6 +189,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
                                                       **serving_options)
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)
+    app.state.serving_rerank = OpenAIServingRerank(models, **serving_options)
     store = response_store(settings)
     bulk_in_flight = settings.batch_lines_in_flight or sum(config.slots * config.replicas for config in registry.models)
     app.state.serving_responses = responses = OpenAIServingResponses(

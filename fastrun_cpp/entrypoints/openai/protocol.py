@@ -381,7 +381,7 @@ class ModelCard(ResponseModel):
     owned_by: str = "fastrun"
     max_model_len: int | None = None
     max_output_tokens: int | None = None
-    capabilities: list[str] | None = None  # chat, completions, tools, structured_outputs, reasoning, embeddings
+    capabilities: list[str] | None = None  # chat, completions, tools, structured_outputs, reasoning, embeddings, rerank
     meta: ModelMeta | None = None
     # Its life (llama-server's router mode, Ollama's /api/ps): loaded, loading or unloaded; why
     # its last load failed; the memory it holds; and its keep-alive (-1: for good) and what is left of it.

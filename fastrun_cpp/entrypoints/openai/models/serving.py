@@ -328,6 +328,8 @@ def model_card(model: ServedModel) -> ModelCard:
         capabilities = ["chat", "completions", "tools", "structured_outputs"]
         if model.config.embeddings:
             capabilities.append("embeddings")
+        if model.config.rerank:
+            capabilities.append("rerank")
         return ModelCard(id=model.id, created=model.created, max_model_len=context,
                          max_output_tokens=min(context, MAX_OUTPUT_TOKENS), capabilities=capabilities,
                          **lifecycle(model))
@@ -338,6 +340,8 @@ def model_card(model: ServedModel) -> ModelCard:
         capabilities.append("reasoning")
     if info.embedding_dimensions is not None:
         capabilities.append("embeddings")
+    if info.rerank_template is not None:
+        capabilities = ["rerank"]  # a reranker's head scores pairs; it writes no text
     return ModelCard(id=model.id, created=model.created, max_model_len=info.max_context,
                      max_output_tokens=min(info.max_context, MAX_OUTPUT_TOKENS), capabilities=capabilities,
                      meta=ModelMeta(n_vocab=info.n_vocab, n_ctx_train=info.n_ctx_train, n_ctx=info.max_context,
