@@ -49,8 +49,9 @@ def settings_flags(names: Sequence[str] | None = None) -> list[SettingFlag]:
                                   limit_field.default)
                       for limit, limit_field in Limits.model_fields.items()]
             continue
+        listed = [field.annotation, *typing.get_args(field.annotation)]  # list[...] or list[...] | None
         kind = ("switch" if field.annotation in (bool, bool | None)
-                else "list" if typing.get_origin(field.annotation) is list else "value")
+                else "list" if any(typing.get_origin(each) is list for each in listed) else "value")
         # A default computed on this machine is shown as the settings describe it.
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         default = extra.get("shown_default", field.get_default(call_default_factory=True))
@@ -68,7 +69,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: Sequence[str] | 
             parser.add_argument(setting.flag, dest=setting.dest, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         elif setting.kind == "list":
-            parser.add_argument(setting.flag, dest=setting.dest, nargs="*", default=argparse.SUPPRESS,
+            # Repeatable, and each may take several: --lora a=x.gguf --lora b=y.gguf
+            parser.add_argument(setting.flag, dest=setting.dest, nargs="*", action="extend", default=argparse.SUPPRESS,
                                 metavar=setting.dest.upper(), help=help_text)
         else:
             parser.add_argument(setting.flag, dest=setting.dest, default=argparse.SUPPRESS,

@@ -67,6 +67,47 @@ class SamplingDefaults(StrictModel):
                                    "that names no max_tokens.")
 
 
+# How far a LoRA adapter's scale may go either way: past it a model's logits are noise or inf.
+MAX_LORA_SCALE = 100.0
+LORA_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+
+
+def lora_file_problem(path: Path) -> str | None:
+    """Why a file is not a LoRA adapter GGUF (its header, as llama.cpp reads it), or None."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(str(path)).fields
+    except FileNotFoundError:
+        return "no such file"
+    except Exception as exc:  # noqa: BLE001 - the reader's errors for a file that is not GGUF vary
+        return f"not a GGUF file ({type(exc).__name__}: {exc})"
+    kinds = {key: fields[key].contents() if key in fields else None for key in ("general.type", "adapter.type")}
+    if kinds != {"general.type": "adapter", "adapter.type": "lora"}:
+        return f"not a LoRA adapter (general.type {kinds['general.type']!r}, adapter.type {kinds['adapter.type']!r})"
+    return None
+
+
+class LoraAdapter(StrictModel):
+    """A LoRA adapter of a model: served as `<model>:<name>`, or named in a request's `lora`."""
+
+    name: Annotated[str, Field(pattern=f"^{LORA_NAME}$")]
+    path: Path
+    scale: Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
+
+    @classmethod
+    def parse(cls, spec: str) -> LoraAdapter:
+        """`NAME=PATH[:SCALE]`, as --lora takes it."""
+        name, _, rest = spec.partition("=")
+        path, scale = rest, None
+        head, _, tail = rest.rpartition(":")
+        if head and re.fullmatch(r"[-+]?[0-9.]+(e[-+]?[0-9]+)?", tail):
+            path, scale = head, float(tail)
+        if not name or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=PATH[:SCALE]")
+        return cls(name=name, path=Path(path).expanduser(), **({"scale": scale} if scale is not None else {}))
+
+
 class ModelConfig(StrictModel):
     """One served model: where its weights come from and how its engines run. This is the one
     place engine defaults are written; `Settings` (flags, FASTRUN_*) only overrides them."""
@@ -127,6 +168,9 @@ class ModelConfig(StrictModel):
         "with the same vocabulary."
     )
     embeddings: bool = Field(False, description="Serve /v1/embeddings from this model too.")
+    loras: list[LoraAdapter] = Field(default_factory=list, description=(
+        "LoRA adapters of this model (GGUF): each is served as the model <id>:<name> and may be named in a "
+        "request's lora list."))
     rerank: bool = Field(False, description="Serve /v1/rerank from this model: a reranker GGUF (rank pooling and "
                          "a classifier head, as Qwen3-Reranker or bge-reranker). On by itself for a GGUF that "
                          "declares rank pooling.")
@@ -164,6 +208,18 @@ class ModelConfig(StrictModel):
         v = self.cache_type_v or self.gpu.cache_type_v or "f16"
         if v not in ("f16", "bf16", "f32") and not self.deterministic and self.gpu.flash_attn == "off":
             raise ValueError(f"model {self.id!r}: a {v} V cache needs flash attention (flash_attn auto or on)")
+        return self
+
+    @model_validator(mode="after")
+    def _loras_are_lora_ggufs(self) -> ModelConfig:
+        # Checked before any load: llama.cpp would only fail the model's load, at its first request.
+        names = [adapter.name for adapter in self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {self.id!r}: two LoRA adapters share a name ({', '.join(names)})")
+        for adapter in self.loras:
+            problem = lora_file_problem(adapter.path)
+            if problem:
+                raise ValueError(f"model {self.id!r}: LoRA adapter {adapter.name!r} ({adapter.path}): {problem}")
         return self
 
     @property
@@ -243,6 +299,8 @@ def _overrides(settings) -> dict:
         common["gpu"] = GpuOptions(n_gpu_layers=settings.n_gpu_layers)
     if settings.default_max_tokens is not None:
         common["defaults"] = SamplingDefaults(max_tokens=settings.default_max_tokens)
+    if settings.lora:
+        common["loras"] = [LoraAdapter.parse(spec) for spec in settings.lora]
     return common
 
 

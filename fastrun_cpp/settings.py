@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     embeddings: bool | None = _model_field("embeddings")
     embedding_pooling: Literal["mean", "cls", "last"] | None = _model_field("embedding_pooling")
     rerank: bool | None = _model_field("rerank")
+    lora: list[str] | None = Field(None, description=(
+        "A LoRA adapter of the model, NAME=PATH[:SCALE] (scale 1 unless given); repeat for several. Each is "
+        "served as the model <id>:<NAME> and may be named in a request's lora list."))
     deterministic: bool | None = _model_field("deterministic")
     max_queue: int | None = _model_field("max_queue")
     queue_policy: Literal["fair", "fifo"] | None = _model_field("queue_policy")

@@ -5,6 +5,7 @@ draft model, and can carry fill-in-the-middle tokens.
 
     python -m fastrun_cpp.tiny_model OUT.gguf [--like MODEL.gguf] [--fim] [--shape smollm2-135m --f16]
     python -m fastrun_cpp.tiny_model OUT.gguf --reranker [--like MODEL.gguf]
+    python -m fastrun_cpp.tiny_model OUT.gguf --lora-for BASE.gguf [--seed N]
 
 With --reranker it writes a Qwen3-Reranker of the same tiny shape instead: Qwen3's
 architecture, rank pooling over the last token, a two-label ("yes", "no") classifier head
@@ -167,6 +168,36 @@ def write_tiny_reranker(out: Path, like: Path, *, seed: int = 0, shape: dict = T
     return out
 
 
+def write_tiny_lora(out: Path, base: Path, *, rank: int = 8, alpha: float = 16.0, seed: int = 0,
+                    targets: tuple[str, ...] = ("attn_q", "attn_v", "ffn_up")) -> Path:
+    """A random-weight LoRA adapter for the GGUF `base`, as llama.cpp's convert_lora_to_gguf
+    writes one: `general.type` adapter, `adapter.type` lora, `adapter.lora.alpha`, and for each
+    targeted weight a `.lora_a` (rank x inputs) and `.lora_b` (outputs x rank) pair. Both are
+    random (a trained adapter's B is not zero either), so the adapter changes the answers."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(base))
+    architecture = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), architecture)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    writer.add_name("fastrun tiny random lora")
+    rng = np.random.default_rng(seed)
+    for tensor in reader.tensors:
+        stem = tensor.name.removesuffix(".weight")
+        if not tensor.name.endswith(".weight") or stem.rsplit(".", 1)[-1] not in targets:
+            continue
+        inputs, outputs = (int(n) for n in tensor.shape[:2])  # ggml's order: inputs first
+        writer.add_tensor(stem + ".weight.lora_a", (rng.standard_normal((rank, inputs)) * 0.05).astype(np.float32))
+        writer.add_tensor(stem + ".weight.lora_b", (rng.standard_normal((outputs, rank)) * 0.05).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def main() -> None:
     from fastrun_cpp.default_model import embedded_model_path
 
@@ -178,7 +209,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--f16", action="store_true", help="matrices in f16 (default f32)")
     parser.add_argument("--reranker", action="store_true", help="write a Qwen3-Reranker (rank pooling) instead")
+    parser.add_argument("--lora-for", type=Path, metavar="BASE", help="write a random LoRA adapter for BASE instead")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.lora_for:
+        print(write_tiny_lora(args.out, args.lora_for, seed=args.seed))
+        return
     if args.reranker:
         print(write_tiny_reranker(args.out, args.like or embedded_model_path(), shape=SHAPES[args.shape]))
         return

@@ -73,6 +73,7 @@ class EngineConfig:
     grammar_step_ms: float = 10.0  # a grammar taking longer for one token (128k vocabulary) ends its request
     embeddings: bool = False  # serves embeddings too
     embedding_pooling: str | None = None  # mean / cls / last; unset: the GGUF's, else mean
+    loras: tuple[tuple[str, str], ...] = ()  # LoRA adapters a request may name: (name, GGUF path)
     speculation: SpeculationConfig = SpeculationConfig(kind="none")
     # "fair": priorities, then fair shares of the accounts, preempting to keep both; "fifo":
     # first come, first served.
@@ -124,7 +125,7 @@ class Engine:
             self._ctx, model, batch_size=config.batch_size, n_ubatch=micro_batch_size(config),
             ctx_size=config.ctx_size, draft_max=config.speculation.draft_max, drafter=self._drafter,
             grammar_step_ms=config.grammar_step_ms, stats=self.stats, faults=faults or Faults(),
-            threads=config.threads)
+            threads=config.threads, loras={name: model.lora_adapter(path) for name, path in config.loras})
         fair = config.queue_policy == "fair"
         self._scheduler = Scheduler(
             self._slots, FairShareQueue(config.slots) if fair else FifoQueue(), batch_capacity=self._runner.capacity,

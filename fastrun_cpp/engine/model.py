@@ -66,6 +66,7 @@ class LlamaModel:
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
         self._vocab = llama.llama_model_get_vocab(self._model)
+        self._loras: dict[Path, object] = {}  # LoRA adapters loaded for these weights, by file
         self.n_vocab: int = llama.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train: int = llama.llama_model_n_ctx_train(self._model)
         self.n_swa: int = llama.llama_model_n_swa(self._model)
@@ -144,6 +145,18 @@ class LlamaModel:
         ids = (llama.llama_vocab_fim_pre(self._vocab), llama.llama_vocab_fim_suf(self._vocab),
                llama.llama_vocab_fim_mid(self._vocab))
         return None if min(ids) < 0 else ids
+
+    def lora_adapter(self, path: Path):
+        """The LoRA adapter in `path`, loaded once for these weights (llama.cpp frees it with them)."""
+        path = Path(path)
+        adapter = self._loras.get(path)
+        if adapter is None:
+            adapter = llama.llama_adapter_lora_init(self._model, str(path).encode())
+            if not adapter:
+                raise ModelLoadError(f"llama.cpp could not load the LoRA adapter {path} for {self.path.name} (not a "
+                                     "LoRA GGUF, or one for another model: see its log)")
+            self._loras[path] = adapter
+        return adapter
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes[token] for token in tokens).decode("utf-8", "replace")

@@ -87,6 +87,9 @@ class GenerationRequest:
     # at any step (a repeated tool call), and where it ends must not depend on how fast it read.
     stepwise_outputs: bool = False
     reasoning_budget: ReasoningBudget | None = None  # at most so many tokens of reasoning
+    # LoRA adapters to answer with, (name, scale) sorted by name: steps decode one adapter set
+    # at a time, so it never shares a decode with a request that asks for another.
+    adapters: tuple[tuple[str, float], ...] = ()
 
     @property
     def input_tokens(self) -> int:

@@ -70,6 +70,7 @@ class StepSlots:
     decoding: list[Slot]  # slots with a sampled token to decode
     prefilling: list[Slot]  # slots with prompt left, oldest admission first
     draft_rows: int  # rows drafts may take (0: no drafting this step)
+    adapters: tuple[tuple[str, float], ...] = ()  # the LoRA set of every slot served
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class StepPlan:
     chunks: tuple[ScheduledChunk, ...]
     draft_rows: int  # rows drafts may take (0: no drafting this step)
     draft_turns: tuple[int, ...]  # the sequences that may draft, longest since their last draft first
+    adapters: tuple[tuple[str, float], ...] = ()  # the LoRA set every row of this step is decoded with
     # By leader sequence: the request's other choices, which copy the prompt's KV at its end
     # and draw their first token from the same logits.
     forks: dict[int, tuple[tuple[int, RunningChoice], ...]] = field(default_factory=dict)
@@ -178,6 +180,8 @@ class Scheduler:
         self.throughput = ThroughputMeter()
         self._acceptance = Acceptance(weight=0.1)  # over all slots: where a new request's starts
         self._clock = 0  # increases every admission; orders slots by recency
+        self._adapters_served: dict[tuple[tuple[str, float], ...], int] = {}  # LoRA set -> the step it last had
+        self._clock_steps = 0  # steps planned
         self._outputs = OutputProcessor(kv_cache, eog_token_ids, self._answer_finished) if kv_cache else None
 
     # ------------------------------------------------------------ admission, any thread
@@ -294,20 +298,39 @@ class Scheduler:
                 self.queue.remove(item)
         return dropped
 
+    def _adapter_turn(self) -> tuple[tuple[str, float], ...]:
+        """The LoRA set this step decodes with: one context applies one set at a time, so when
+        running requests ask for different sets, they take turns, step by step, the set served
+        longest ago first (the oldest request's set among those never served)."""
+        running = sorted((slot for slot in self._slots if slot.is_prefilling or slot.is_decoding),
+                         key=lambda slot: slot.choice.admitted_at)
+        sets = list(dict.fromkeys(slot.request.adapters for slot in running))
+        if len(sets) <= 1:
+            chosen = sets[0] if sets else ()
+        else:
+            chosen = min(sets, key=lambda adapters: self._adapters_served.get(adapters, -1))
+        # Only the sets running now are remembered (a request's scales are its own choice).
+        self._adapters_served = {adapters: step for adapters, step in self._adapters_served.items() if adapters in sets}
+        self._adapters_served[chosen] = self._clock_steps
+        self._clock_steps += 1
+        return chosen
+
     def plan(self) -> StepSlots:
-        prefilling = sorted((slot for slot in self._slots if slot.is_prefilling), key=lambda slot: slot.choice.admitted_at)
+        adapters = self._adapter_turn()
+        prefilling = sorted((slot for slot in self._slots if slot.is_prefilling and slot.request.adapters == adapters),
+                            key=lambda slot: slot.choice.admitted_at)
         # A request the policy preempted for is owed its turn now: its prompt (if it fits one
         # batch) gets a step of its own, so its first token does not wait for everyone's.
         owed = [slot for slot in prefilling if slot.choice.owed]
         if owed and sum(slot.choice.prompt_left for slot in owed) <= self._capacity:
-            return StepSlots([], owed, 0)
-        decoding = [slot for slot in self._slots if slot.is_decoding]
+            return StepSlots([], owed, 0, adapters)
+        decoding = [slot for slot in self._slots if slot.is_decoding and slot.request.adapters == adapters]
         spec = self._speculation
         prompt_rows = sum(slot.choice.prompt_left for slot in prefilling)
         # Drafts take only rows no prompt is waiting for: a prompt row is sure progress, a
         # drafted one a guess; under load speculation yields to batching and prefill alike.
         rows = min(spec.step_rows - len(decoding), self._capacity - len(decoding) - prompt_rows)
-        return StepSlots(decoding, prefilling, rows if spec.enabled and rows >= spec.draft_min else 0)
+        return StepSlots(decoding, prefilling, rows if spec.enabled and rows >= spec.draft_min else 0, adapters)
 
     def draft_turns(self, decoding: list[Slot]) -> list[Slot]:
         """The slots that may draft, longest since their last draft first (fair turns when rows
@@ -495,7 +518,7 @@ class Scheduler:
                 forks[slot.seq_id] = tuple((follower.seq_id, follower.choice) for follower in choice.followers
                                            if follower.request is choice.request)
         turns = tuple(slot.seq_id for slot in self.draft_turns(slots.decoding)) if slots.draft_rows else ()
-        return StepPlan(decodes, tuple(chunks), slots.draft_rows, turns, forks)
+        return StepPlan(decodes, tuple(chunks), slots.draft_rows, turns, adapters=slots.adapters, forks=forks)
 
     def _draft_room(self, slot: Slot) -> int:
         # Room for the pending token, the drafts and the bonus token: in the answer's length

@@ -48,6 +48,7 @@ class EngineStats:
     decode_seconds: float = 0.0  # of which inside llama_decode (the rest is Python and sampling)
     threads: int = 0  # llama.cpp runs with now (fewer than configured while other processes load the cores)
     thread_changes: int = 0
+    adapter_switches: int = 0  # steps that changed the context's LoRA set
     grammar_steps: TimeHistogram = dataclasses.field(default_factory=TimeHistogram)  # grammar CPU time per token
 
 

@@ -9,6 +9,7 @@ and scheduler split a step.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import time
 from typing import Callable
@@ -44,8 +45,10 @@ class StepRunner:
 
     def __init__(self, ctx, model: LlamaModel, *, batch_size: int, n_ubatch: int, ctx_size: int,
                  draft_max: int, drafter: Drafter | None, grammar_step_ms: float, stats: EngineStats,
-                 faults: Faults, threads: int) -> None:
+                 faults: Faults, threads: int, loras: dict[str, object] | None = None) -> None:
         self._ctx = ctx
+        self._loras = loras or {}  # the adapters requests may name, loaded
+        self._adapters: tuple[tuple[str, float], ...] = ()  # the set the context applies now
         self._model = model
         self._batch = TokenBatch(batch_size)
         self._n_ubatch = n_ubatch
@@ -99,6 +102,7 @@ class StepRunner:
     def execute(self, plan: StepPlan, before_decode: Callable[[], None]) -> StepResult:
         """Run the plan: draft within its rows, decode, pick. `before_decode` runs once the
         batch is built, just before llama.cpp takes the thread."""
+        self._use_adapters(plan.adapters)
         batch = self._batch
         batch.clear()
         logits_rows: dict[int, list[int]] = {}  # by sequence: batch indices of its logits, in position order
@@ -153,6 +157,18 @@ class StepRunner:
                 for seq_id, follower in plan.forks.get(chunk.seq_id, ()):
                     result.picked[seq_id] = self._pick(seq_id, follower, rows, [])
         return result
+
+    def _use_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """Apply the step's LoRA set to the context (llama.cpp re-plans its graph on a change:
+        the scheduler keeps one set for as long as it fairly can)."""
+        if adapters == self._adapters:
+            return
+        count = len(adapters)
+        handles = (llama.llama_adapter_lora_p_ctypes * count)(*(self._loras[name] for name, _ in adapters))
+        scales = (ctypes.c_float * count)(*(scale for _, scale in adapters))
+        llama.llama_set_adapters_lora(self._ctx, handles if count else None, count, scales if count else None)
+        self._adapters = adapters
+        self._stats.adapter_switches += 1
 
     def priced(self, result: StepResult, seconds: float) -> None:
         """What a step took, from the decode to its outputs: a step without prompt chunks

@@ -230,6 +230,7 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
         grammar_step_ms=(limits or Limits()).grammar_step_ms,
         embeddings=config.embeddings or reranks(config, model),
         embedding_pooling="rank" if reranks(config, model) else config.embedding_pooling,
+        loras=tuple((adapter.name, str(adapter.path)) for adapter in config.loras),
         speculation=SpeculationConfig(kind=config.spec_type, draft_max=config.spec_draft_max,
                                       draft_min=min(config.spec_draft_min, config.spec_draft_max)),
     )

@@ -14,8 +14,20 @@ from fastrun_cpp.keep_alive import parse_keep_alive
 # idle (a duration such as "5m", or seconds; 0: unload it then; negative: for good). Seconds here.
 KeepAlive = Annotated[str | float, AfterValidator(parse_keep_alive)]
 
+MAX_LORA_SCALE = 100.0  # the registry's bound, repeated so that the API needs nothing of it
+
+
+class LoraChoice(RequestModel):
+    """llama-server's per-request adapter: `id` its index in the model's list, or its name."""
+
+    id: Annotated[int, Field(ge=0)] | str
+    scale: Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)] = 1.0
+
 
 class SamplingFields(RequestModel):
+    # LoRA adapters of the model to answer with (llama-server's field); a model id
+    # `<model>:<adapter>` names one too.
+    lora: Annotated[list[LoraChoice], Field(max_length=64)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0, le=1000)] | None = None

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import time
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator, TypeVar
@@ -68,6 +69,21 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
     if reason in (FinishReason.STOP, FinishReason.LENGTH):
         return reason.value
     return None
+
+
+def adapters_identity(served: ServedModel, adapters: tuple[tuple[str, float], ...]) -> str:
+    """What KV computed with these adapters depends on: each one's file as it is now (a file
+    replaced under the same name, across a restart, must not meet its predecessor's KV in the
+    disk tier) and its scale."""
+    paths = {adapter.name: adapter.path for adapter in served.config.loras}
+    parts = []
+    for name, scale in adapters:
+        try:
+            stat = os.stat(paths[name])
+            parts.append(f"{name}@{stat.st_size}:{stat.st_mtime_ns}={scale!r}")
+        except OSError:
+            parts.append(f"{name}={scale!r}")
+    return ",".join(parts)
 
 
 def usage_of(outputs: list[GenerationOutput], *, reasoning_counted: bool = False) -> Usage:
@@ -156,7 +172,32 @@ class OpenAIServing:
         record = current_record()
         if record is not None:
             record.model = model_id
-        return await self.models.acquire(model_id, keep_alive_s)
+        base, _ = self.models.split_adapter(model_id)
+        return await self.models.acquire(base, keep_alive_s)
+
+    def adapters_for(self, served: ServedModel, model_id: str, lora: list | None) -> tuple[tuple[str, float], ...]:
+        """The LoRA set a request answers with, (name, scale) by name: the adapter its model id
+        names (`<model>:<adapter>`, at the adapter's configured scale), and its `lora` list
+        (llama-server's: an adapter's index or name, and a scale); scale 0 leaves one out."""
+        configured = served.config.loras
+        by_name = {adapter.name: adapter for adapter in configured}
+        chosen: dict[str, float] = {}
+        _, named = self.models.split_adapter(model_id)
+        if named is not None:
+            chosen[named] = by_name[named].scale
+        for index, entry in enumerate(lora or ()):
+            if isinstance(entry.id, int):
+                if entry.id >= len(configured):
+                    raise bad_request(f"lora[{index}].id: {served.id} has {len(configured)} LoRA adapters; "
+                                      f"there is no adapter {entry.id}")
+                name = configured[entry.id].name
+            elif entry.id in by_name:
+                name = entry.id
+            else:
+                raise bad_request(f"lora[{index}].id: {served.id} has no LoRA adapter named {entry.id!r} (it has: "
+                                  f"{', '.join(by_name) or 'none'})")
+            chosen[name] = entry.scale
+        return tuple(sorted((name, scale) for name, scale in chosen.items() if scale != 0))
 
     async def in_prompt_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, function, *args)
@@ -253,6 +294,9 @@ class OpenAIServing:
         record = current_record()
         if record is not None:  # a tenant reuses only its own (or its group's) cached prompts
             request.cache_namespace = record.cache_namespace
+        if request.adapters:  # KV computed with adapters is theirs alone: another set never reuses it
+            request.cache_namespace += "\x1flora:" + adapters_identity(served, request.adapters)
+        if record is not None:
             request.account, request.weight = record.account or "", record.weight
             if record.bulk:
                 request.priority = BULK_PRIORITY

@@ -230,6 +230,7 @@ class OpenAIServingChat(OpenAIServing):
             session=request.prompt_cache_key or "",
             stepwise_outputs=tool_parser is not None,  # its calls may end a choice at any step
             reasoning_budget=self._reasoning_budget(served, request, plan),
+            adapters=self.adapters_for(served, request.model, request.lora),
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:

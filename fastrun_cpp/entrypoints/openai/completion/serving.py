@@ -53,6 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
                 speculative=request.speculative is not False,
                 priority=request.priority or 0,
+                adapters=self.adapters_for(served, request.model, request.lora),
             )
             for index, prompt in enumerate(prompts)
         ]

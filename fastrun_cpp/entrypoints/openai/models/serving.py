@@ -57,6 +57,16 @@ class OpenAIServingModels:
     def __iter__(self):
         return iter(self.manager)
 
+    def split_adapter(self, model_id: str) -> tuple[str, str | None]:
+        """(the model, the LoRA adapter) an id names: `<model>:<adapter>` for a configured
+        adapter of a known model, else the id itself and None (a Hub id's `:file.gguf` stays)."""
+        if ":" in model_id and self.manager.get(model_id, discover=False) is None:
+            base, name = model_id.rsplit(":", 1)
+            model = self.manager.get(base, discover=False)
+            if model is not None and any(adapter.name == name for adapter in model.config.loras):
+                return base, name
+        return model_id, None
+
     def knows(self, model_id: str) -> bool:
         """Whether the id names a model this server can serve the caller (loaded or not)."""
         return self.manager.get(model_id, discover=self._may_discover()) is not None
@@ -100,7 +110,9 @@ class OpenAIServingModels:
         return model
 
     def card(self, model_id: str) -> ModelCard:
-        return model_card(self._known(model_id))
+        base, adapter = self.split_adapter(model_id)
+        card = model_card(self._known(base))
+        return card.model_copy(update={"id": model_id}) if adapter is not None else card
 
     def held(self, model_id: str) -> ServedModel:
         """A model the current request acquired (and so is loaded)."""
@@ -262,7 +274,12 @@ class OpenAIServingModels:
         the Hub cache (for a caller who may bring those in)."""
         if self._may_discover():
             self.manager.discover_all()
-        cards = [model_card(model) for model in self.manager]
+        cards = []
+        for model in self.manager:
+            card = model_card(model)
+            # Each LoRA adapter is a model of its own to clients (vLLM's way): `<model>:<adapter>`.
+            cards += [card, *(card.model_copy(update={"id": f"{model.id}:{adapter.name}"})
+                              for adapter in model.config.loras)]
         return ModelList(data=cards, models=[codex_model_info(card) for card in cards if card.max_model_len])
 
 
