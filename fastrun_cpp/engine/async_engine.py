@@ -153,7 +153,7 @@ class AsyncEngine:
     async def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request (raising CapacityError / PromptTooLongError / GrammarError before it
         is queued) and return the stream of its outputs."""
-        grammar = await self._grammars.compile(request.grammar) if request.grammar is not None else None
+        grammar = await self._grammars.compile(request.grammar, request.account) if request.grammar is not None else None
         if self._disk is not None and request.kind == "generate":
             await self._load_from_disk(request.prompt_tokens, request.cache_namespace)
         collector = _OutputCollector(stepwise=request.stepwise_outputs)

@@ -28,6 +28,7 @@ from fastrun_cpp.engine.errors import GrammarError
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.engine.constraint import Constraint, GbnfConstraint, GuidanceConstraint
 from fastrun_cpp.engine.faults import GRAMMAR_HANG_TEXT
+from fastrun_cpp.fair_turns import FairTurns
 from fastrun_cpp.killable import WALL_TIME_FACTOR, KillablePool, WorkerDied, WorkerTimeout, serve
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.model import LlamaModel
@@ -125,6 +126,7 @@ class GrammarCompiler:
         # llguidance's view of the vocabulary takes ~1.5 s for 262k tokens: built once, now,
         # while the server starts.
         self._tokenizer = self._pool.submit(self._build_tokenizer)
+        self._turns = FairTurns(workers)  # compiles take turns by account (fair_turns.py)
         self._trials: KillablePool | None = None
         if isolated:  # hang_on_request: --debug-faults grammar-hang (tests only)
             self._trials = KillablePool(_try_compiles, (str(model.path), self.limits, hang_on_request),
@@ -148,11 +150,18 @@ class GrammarCompiler:
         fuel = int(LEXER_FUEL_PER_MS * self.limits.grammar_step_ms * vocabulary_scale(self._model.n_vocab))
         return llguidance.LLParserLimits(step_lexer_fuel=fuel, step_max_items=fuel // 4, verbose_errors=False)
 
-    async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar of `spec`; raises GrammarError."""
+    async def compile(self, spec: GrammarSpec, account: str = "") -> CompiledGrammar:
+        """The compiled grammar of `spec`; raises GrammarError. A new one waits for its
+        account's turn (one compile per account in turn while they queue); a caller cancelled
+        while it waits never compiles."""
         grammar = self._cache.get(spec)
         if grammar is not None:
             return grammar
+        async with self._turns.turn(account):
+            grammar = self._cache.get(spec)  # compiled meanwhile for another request
+            return grammar if grammar is not None else await self._compile_new(spec)
+
+    async def _compile_new(self, spec: GrammarSpec) -> CompiledGrammar:
         loop = asyncio.get_running_loop()
         # Checking a large grammar's text takes a while: off the event loop, too.
         await loop.run_in_executor(self._pool, self._check, spec)

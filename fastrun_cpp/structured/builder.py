@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from fastrun_cpp.fair_turns import FairTurns
 from fastrun_cpp.killable import KillablePool, WorkerDied, WorkerTimeout, serve
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.limits import Limits
@@ -73,19 +74,20 @@ class GrammarBuilder:
         self._workers = KillablePool(_serve, (hang_on_request,), workers=workers, name="schema conversion")
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="fastrun-schema")
         self._cache: ByteLRU[str, str] = ByteLRU(32 << 20)
+        self._turns = FairTurns(workers)  # conversions take turns by account (fair_turns.py)
 
     @property
     def killed(self) -> int:
         """Conversions stopped at their time limit."""
         return self._workers.killed
 
-    async def schema_grammar(self, schema: Any, *, strict: bool = True) -> str:
+    async def schema_grammar(self, schema: Any, *, strict: bool = True, account: str = "") -> str:
         """GBNF for a response_format schema; raises BuildError."""
         self._check(schema, "the schema")
-        return await self._build("schema", {"schema": schema, "strict": strict})
+        return await self._build("schema", {"schema": schema, "strict": strict}, account)
 
     async def tool_grammar(self, functions: list[CallableFunction], call_format: ToolCallFormat, *,
-                           relaxed: bool = False) -> str:
+                           relaxed: bool = False, account: str = "") -> str:
         """GBNF for tool calls of these functions written in `call_format`; raises BuildError.
 
         `relaxed` (the model may choose not to call, `tool_choice: auto`): no schema fails the
@@ -105,7 +107,7 @@ class GrammarBuilder:
             checked.append(CallableFunction(name, parameters, strict and not relaxed, text_grammar)._asdict())
         payload = {"functions": checked, "format": dataclasses.asdict(call_format), "relaxed": relaxed,
                    "max_repetition": self.limits.repetition}
-        return await self._build("tools", payload)
+        return await self._build("tools", payload, account)
 
     def _check(self, schema: Any, where: str, *, relaxed: bool = False) -> Any:
         try:
@@ -113,7 +115,7 @@ class GrammarBuilder:
         except (SchemaBoundsError, PatternError) as exc:
             raise BuildError(str(exc)) from exc
 
-    async def _build(self, kind: str, payload: dict[str, Any]) -> str:
+    async def _build(self, kind: str, payload: dict[str, Any], account: str) -> str:
         try:
             key = kind + json.dumps(payload)  # keeps property order: part of the grammar
         except (TypeError, ValueError) as exc:
@@ -121,7 +123,12 @@ class GrammarBuilder:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        status, result = await asyncio.get_running_loop().run_in_executor(self._threads, self._run, (kind, payload))
+        async with self._turns.turn(account):  # one conversion per account in turn; a caller gone never runs
+            cached = self._cache.get(key)
+            if cached is not None:
+                return cached
+            status, result = await asyncio.get_running_loop().run_in_executor(self._threads, self._run,
+                                                                              (kind, payload))
         if status != "ok":
             raise BuildError(result)
         self._cache.put(key, result, 2 * (len(key) + len(result)))

@@ -86,6 +86,12 @@ def adapters_identity(served: ServedModel, adapters: tuple[tuple[str, float], ..
     return ",".join(parts)
 
 
+def current_account() -> str:
+    """The account the current request is served for ("": open mode), whose turn its compiles take."""
+    record = current_record()
+    return (record.account or "") if record is not None else ""
+
+
 def usage_of(outputs: list[GenerationOutput], *, reasoning_counted: bool = False) -> Usage:
     """Usage of finished outputs: each prompt counted once (its first choice carries it), the
     completions of every choice; with `reasoning_counted` (the engine counted the reasoning,
@@ -273,14 +279,14 @@ class OpenAIServing:
         """`spec` once llama.cpp has parsed it for this model (cached: the engine reuses it);
         400 naming `field` when it cannot."""
         try:
-            await served.runtime.grammars.compile(spec)
+            await served.runtime.grammars.compile(spec, current_account())
         except GrammarError as exc:
             raise bad_request(f"{field}: {exc}") from exc
         return spec
 
     async def schema_grammar(self, schema: dict[str, Any], *, strict: bool, field: str) -> str:
         try:
-            return await self.grammar_builder.schema_grammar(schema, strict=strict)
+            return await self.grammar_builder.schema_grammar(schema, strict=strict, account=current_account())
         except BuildError as exc:
             raise bad_request(f"{field}: {exc}") from exc
 

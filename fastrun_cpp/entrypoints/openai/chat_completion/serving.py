@@ -45,6 +45,7 @@ from fastrun_cpp.entrypoints.openai.protocol import (
 from fastrun_cpp.entrypoints.openai.serving_engine import (
     ChoiceCollector,
     OpenAIServing,
+    current_account,
     openai_finish_reason,
     stop_sequences,
     stream_error_event,
@@ -378,6 +379,7 @@ class OpenAIServingChat(OpenAIServing):
                     [CallableFunction(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict),
                                       f._text_grammar) for f in functions],
                     tool_parser.call_format(plan.max_calls or MAX_PARALLEL_CALLS), relaxed=lazy_tools,
+                    account=current_account(),
                 )
             except BuildError as exc:
                 raise bad_request(f"tools: {exc}") from exc
