@@ -33,6 +33,49 @@ LLAMA32_3B = {"block_count": 28, "embedding_length": 3072, "feed_forward_length"
 SHAPES = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M, "llama-3.2-3b": LLAMA32_3B}
 
 
+def _copy_tokenizer(reader, writer, *, templates: bool = True) -> int:
+    """Copy the `tokenizer.*` keys of `reader` (the chat templates too, unless not
+    `templates`) to `writer`; returns the vocabulary's size."""
+    n_vocab = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer.") or (not templates and name.startswith("tokenizer.chat_template")):
+            continue
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, field.types[0])
+    return n_vocab
+
+
+def _write_blocks(writer, weights, shape: dict, *, head_width: int, qk_norm: bool = False) -> None:
+    """A llama-style decoder's blocks: attention (with Qwen3's per-head q/k norms when
+    `qk_norm`) and a gated feed-forward, norms at one, matrices from `weights(*dims)`."""
+    width, ff = shape["embedding_length"], shape["feed_forward_length"]
+    kv_width = head_width * shape["head_count_kv"]
+    for layer in range(shape["block_count"]):
+        prefix = f"blk.{layer}."
+        writer.add_tensor(prefix + "attn_norm.weight", np.ones(width, dtype=np.float32))
+        for name, rows in (("attn_q", width), ("attn_k", kv_width), ("attn_v", kv_width), ("attn_output", width)):
+            writer.add_tensor(prefix + name + ".weight", weights(rows, width))
+        if qk_norm:
+            writer.add_tensor(prefix + "attn_q_norm.weight", np.ones(head_width, dtype=np.float32))
+            writer.add_tensor(prefix + "attn_k_norm.weight", np.ones(head_width, dtype=np.float32))
+        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(width, dtype=np.float32))
+        writer.add_tensor(prefix + "ffn_gate.weight", weights(ff, width))
+        writer.add_tensor(prefix + "ffn_up.weight", weights(ff, width))
+        writer.add_tensor(prefix + "ffn_down.weight", weights(width, ff))
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0, shape: dict = TINY,
                      dtype: type = np.float32) -> Path:
     """Write the tiny model (or another `shape` of SHAPES, its matrices in `dtype`) to `out`,
@@ -53,44 +96,22 @@ def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0,
     writer.add_rope_dimension_count(shape["embedding_length"] // shape["head_count"])
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16)
-    n_vocab = 0
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        if name == "tokenizer.ggml.tokens":
-            n_vocab = len(value)
-        if isinstance(value, list):
-            writer.add_array(name, value)
-        else:
-            writer.add_key_value(name, value, field.types[0])
+    n_vocab = _copy_tokenizer(reader, writer)
     if fim:
         writer.add_uint32("tokenizer.ggml.fim_pre_token_id", 3)
         writer.add_uint32("tokenizer.ggml.fim_suf_token_id", 4)
         writer.add_uint32("tokenizer.ggml.fim_mid_token_id", 5)
     writer.add_vocab_size(n_vocab)
     rng = np.random.default_rng(seed)
-    width, ff = shape["embedding_length"], shape["feed_forward_length"]
-    kv_width = width // shape["head_count"] * shape["head_count_kv"]
+    width = shape["embedding_length"]
 
     def weights(*dims: int) -> np.ndarray:
         return (rng.standard_normal(dims) * 0.05).astype(dtype)
 
     writer.add_tensor("token_embd.weight", weights(n_vocab, width))
     writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
-    for layer in range(shape["block_count"]):
-        prefix = f"blk.{layer}."
-        writer.add_tensor(prefix + "attn_norm.weight", np.ones(width, dtype=np.float32))
-        for name, rows in (("attn_q", width), ("attn_k", kv_width), ("attn_v", kv_width), ("attn_output", width)):
-            writer.add_tensor(prefix + name + ".weight", weights(rows, width))
-        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(width, dtype=np.float32))
-        writer.add_tensor(prefix + "ffn_gate.weight", weights(ff, width))
-        writer.add_tensor(prefix + "ffn_up.weight", weights(ff, width))
-        writer.add_tensor(prefix + "ffn_down.weight", weights(width, ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_blocks(writer, weights, shape, head_width=width // shape["head_count"])
+    _finish(writer)
     return out
 
 
@@ -111,15 +132,14 @@ def write_tiny_reranker(out: Path, like: Path, *, seed: int = 0, shape: dict = T
     reader = gguf.GGUFReader(str(like))
     writer = gguf.GGUFWriter(str(out), "qwen3")
     writer.add_name("fastrun tiny random reranker")
-    width, ff, heads, kv_heads = (shape["embedding_length"], shape["feed_forward_length"], shape["head_count"],
-                                  shape["head_count_kv"])
+    width, heads = shape["embedding_length"], shape["head_count"]
     head_width = width // heads
     writer.add_block_count(shape["block_count"])
     writer.add_context_length(shape["context_length"])
     writer.add_embedding_length(width)
-    writer.add_feed_forward_length(ff)
+    writer.add_feed_forward_length(shape["feed_forward_length"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_head_count_kv(shape["head_count_kv"])
     writer.add_key_length(head_width)
     writer.add_value_length(head_width)
     writer.add_rope_dimension_count(head_width)
@@ -127,21 +147,10 @@ def write_tiny_reranker(out: Path, like: Path, *, seed: int = 0, shape: dict = T
     writer.add_pooling_type(gguf.PoolingType.RANK)
     writer.add_classifier_output_labels(["yes", "no"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    n_vocab = 0
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer.") or name.startswith("tokenizer.chat_template"):
-            continue
-        value = field.contents()
-        if name == "tokenizer.ggml.tokens":
-            n_vocab = len(value)
-        if isinstance(value, list):
-            writer.add_array(name, value)
-        else:
-            writer.add_key_value(name, value, field.types[0])
+    n_vocab = _copy_tokenizer(reader, writer, templates=False)
     writer.add_key_value("tokenizer.chat_template.rerank", QWEN3_RERANK_TEMPLATE, gguf.GGUFValueType.STRING)
     writer.add_vocab_size(n_vocab)
     rng = np.random.default_rng(seed)
-    kv_width = head_width * kv_heads
 
     def weights(*dims: int) -> np.ndarray:
         return (rng.standard_normal(dims) * 0.05).astype(np.float32)
@@ -150,21 +159,8 @@ def write_tiny_reranker(out: Path, like: Path, *, seed: int = 0, shape: dict = T
     writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
     # Two rows ("yes", "no"), larger than the rest, so that scores spread over (0, 1).
     writer.add_tensor("cls.output.weight", (rng.standard_normal((2, width)) * 2.0).astype(np.float32))
-    for layer in range(shape["block_count"]):
-        prefix = f"blk.{layer}."
-        writer.add_tensor(prefix + "attn_norm.weight", np.ones(width, dtype=np.float32))
-        for name, rows in (("attn_q", width), ("attn_k", kv_width), ("attn_v", kv_width), ("attn_output", width)):
-            writer.add_tensor(prefix + name + ".weight", weights(rows, width))
-        writer.add_tensor(prefix + "attn_q_norm.weight", np.ones(head_width, dtype=np.float32))
-        writer.add_tensor(prefix + "attn_k_norm.weight", np.ones(head_width, dtype=np.float32))
-        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(width, dtype=np.float32))
-        writer.add_tensor(prefix + "ffn_gate.weight", weights(ff, width))
-        writer.add_tensor(prefix + "ffn_up.weight", weights(ff, width))
-        writer.add_tensor(prefix + "ffn_down.weight", weights(width, ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_blocks(writer, weights, shape, head_width=head_width, qk_norm=True)
+    _finish(writer)
     return out
 
 
@@ -191,10 +187,7 @@ def write_tiny_lora(out: Path, base: Path, *, rank: int = 8, alpha: float = 16.0
         inputs, outputs = (int(n) for n in tensor.shape[:2])  # ggml's order: inputs first
         writer.add_tensor(stem + ".weight.lora_a", (rng.standard_normal((rank, inputs)) * 0.05).astype(np.float32))
         writer.add_tensor(stem + ".weight.lora_b", (rng.standard_normal((outputs, rank)) * 0.05).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return out
 
 

@@ -332,6 +332,19 @@ class OpenAIServing:
             record.prompt_tokens += request.input_tokens
         return stream
 
+    async def embed(self, served: ServedModel, inputs: list[list[int]], request_id: str) -> list[list[float]]:
+        """Each input's pooled output (an embedding, or a reranker's scores), from the model's
+        engine: the "embed" kind of request, through its queue, one input a sequence."""
+        generation = GenerationRequest(request_id=request_id, prompt_tokens=[], kind="embed", embed_inputs=inputs)
+        stream = await self.submit(served, generation, streaming=False)
+        vectors = None
+        async for output in self.outputs(served, stream):
+            if output.finished:
+                vectors = output.embeddings
+        if vectors is None or len(vectors) != len(inputs):
+            raise upstream_error("the model returned nothing for some inputs")
+        return vectors
+
     @staticmethod
     def _tokens_at_most(served: ServedModel, request: GenerationRequest) -> int:
         """What a request may use: its prompt, and each choice's max_tokens (or the room left

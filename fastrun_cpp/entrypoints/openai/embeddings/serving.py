@@ -9,9 +9,8 @@ from typing import Iterator
 
 import numpy as np
 
-from fastrun_cpp.engine import GenerationRequest
 from fastrun_cpp.entrypoints.openai.embeddings.protocol import Embedding, EmbeddingRequest, EmbeddingUsage
-from fastrun_cpp.entrypoints.openai.errors import bad_request, upstream_error
+from fastrun_cpp.entrypoints.openai.errors import bad_request
 from fastrun_cpp.entrypoints.openai.protocol import random_id
 from fastrun_cpp.entrypoints.openai.utils import JSONPieces
 from fastrun_cpp.entrypoints.openai.serving_engine import OpenAIServing
@@ -30,15 +29,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise bad_request(f"dimensions: {request.model} gives {dimensions}-dimensional embeddings and cannot "
                               f"shorten them to {request.dimensions}")
         inputs = await self.in_prompt_pool(self._tokenize_inputs, served, request)
-        generation = GenerationRequest(request_id=random_id("embd"), prompt_tokens=[], kind="embed",
-                                       embed_inputs=inputs)
-        stream = await self.submit(served, generation, streaming=False)
-        vectors = None
-        async for output in self.outputs(served, stream):
-            if output.finished:
-                vectors = output.embeddings
-        if vectors is None or len(vectors) != len(inputs):
-            raise upstream_error("the model returned no embeddings")
+        vectors = await self.embed(served, inputs, random_id("embd"))
         tokens = sum(map(len, inputs))
         return JSONPieces(self._pieces(vectors, request, tokens))
 

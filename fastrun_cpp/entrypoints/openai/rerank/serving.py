@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import re
 
-from fastrun_cpp.engine import GenerationRequest
-from fastrun_cpp.entrypoints.openai.errors import bad_request, upstream_error
+from fastrun_cpp.entrypoints.openai.errors import bad_request
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 from fastrun_cpp.entrypoints.openai.protocol import random_id
 from fastrun_cpp.entrypoints.openai.rerank.protocol import (RerankDocument, RerankRequest, RerankResponse,
@@ -28,15 +27,8 @@ class OpenAIServingRerank(OpenAIServing):
             raise bad_request(f"documents: {len(request.documents)} documents, over {self.limits.rerank_documents} "
                               "(limit --limit-rerank-documents)")
         inputs = await self.in_prompt_pool(self._tokenize_pairs, served, request)
-        generation = GenerationRequest(request_id=random_id("rerank"), prompt_tokens=[], kind="embed",
-                                       embed_inputs=inputs)
-        stream = await self.submit(served, generation, streaming=False)
-        scores = None
-        async for output in self.outputs(served, stream):
-            if output.finished:
-                scores = output.embeddings
-        if scores is None or len(scores) != len(inputs):
-            raise upstream_error("the model returned no scores")
+        request_id = random_id("rerank")
+        scores = await self.embed(served, inputs, request_id)
         # The first label's output: P("yes") of a Qwen3 reranker (softmaxed in llama.cpp), the
         # single logit of a BERT-style cross-encoder.
         order = sorted(range(len(scores)), key=lambda index: (-scores[index][0], index))[: request.top_n]
@@ -46,7 +38,7 @@ class OpenAIServingRerank(OpenAIServing):
                                 if with_documents else None)
                    for index in order]
         tokens = sum(map(len, inputs))
-        return RerankResponse(id=generation.request_id, model=request.model, results=results,
+        return RerankResponse(id=request_id, model=request.model, results=results,
                               usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens))
 
     def _tokenize_pairs(self, served: ServedModel, request: RerankRequest) -> list[list[int]]:
