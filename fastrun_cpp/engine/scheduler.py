@@ -302,15 +302,18 @@ class Scheduler:
         """The LoRA set this step decodes with: one context applies one set at a time, so when
         running requests ask for different sets, they take turns, step by step, the set served
         longest ago first (the oldest request's set among those never served)."""
-        running = sorted((slot for slot in self._slots if slot.is_prefilling or slot.is_decoding),
-                         key=lambda slot: slot.choice.admitted_at)
-        sets = list(dict.fromkeys(slot.request.adapters for slot in running))
-        if len(sets) <= 1:
-            chosen = sets[0] if sets else ()
+        running = [slot for slot in self._slots if slot.is_prefilling or slot.is_decoding]
+        if len({slot.request.adapters for slot in running}) <= 1:  # every step but while sets mix
+            chosen = running[0].request.adapters if running else ()
+            if len(self._adapters_served) != 1 or chosen not in self._adapters_served:
+                self._adapters_served = {}
         else:
+            running.sort(key=lambda slot: slot.choice.admitted_at)
+            sets = list(dict.fromkeys(slot.request.adapters for slot in running))
             chosen = min(sets, key=lambda adapters: self._adapters_served.get(adapters, -1))
-        # Only the sets running now are remembered (a request's scales are its own choice).
-        self._adapters_served = {adapters: step for adapters, step in self._adapters_served.items() if adapters in sets}
+            # Only the sets running now are remembered (a request's scales are its own choice).
+            self._adapters_served = {adapters: step for adapters, step in self._adapters_served.items()
+                                     if adapters in sets}
         self._adapters_served[chosen] = self._clock_steps
         self._clock_steps += 1
         return chosen

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
@@ -46,6 +46,9 @@ class ModelInfo:
     # Serves /v1/rerank (None: does not), with its GGUF's prompt for a query and a document
     # ("": none; the pair is then joined with the vocabulary's separators, as llama-server does).
     rerank_template: str | None = None
+    # Each LoRA adapter's identity as it was loaded (its file's SHA-256): KV computed with it is
+    # keyed by it, so an adapter file replaced across a restart never meets the old one's KV.
+    lora_identities: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRuntime:
@@ -201,6 +204,13 @@ def rope_scaling(config: ModelConfig, model: LlamaModel) -> str | None:
     return "yarn" if own in (None, "", "none") else None
 
 
+def lora_identities(config: ModelConfig, directory: Path | None) -> dict[str, str]:
+    """Each adapter's file identity (file_identity: hashed once per file version, remembered in
+    the prompt cache's directory when there is one)."""
+    known = directory / IDENTITIES_FILE if directory is not None else None
+    return {adapter.name: str(file_identity(adapter.path, known=known)["sha256"]) for adapter in config.loras}
+
+
 def reranks(config: ModelConfig, model: LlamaModel | None) -> bool:
     """Whether the model serves /v1/rerank: asked for, or a GGUF that declares rank pooling."""
     return config.rerank or (model is not None and model_pooling(model, None) == "rank")
@@ -210,6 +220,7 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
                   model: LlamaModel | None = None) -> EngineConfig:
     deterministic = is_deterministic(config)
     cache_type_k, cache_type_v = kv_cache_types(config)
+    rank = reranks(config, model)
     return EngineConfig(
         slots=config.slots,
         ctx_size=config.ctx_size,
@@ -228,8 +239,8 @@ def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = 
         cache_type_v=cache_type_v,
         op_offload=not deterministic,
         grammar_step_ms=(limits or Limits()).grammar_step_ms,
-        embeddings=config.embeddings or reranks(config, model),
-        embedding_pooling="rank" if reranks(config, model) else config.embedding_pooling,
+        embeddings=config.embeddings or rank,
+        embedding_pooling="rank" if rank else config.embedding_pooling,
         loras=tuple((adapter.name, str(adapter.path)) for adapter in config.loras),
         speculation=SpeculationConfig(kind=config.spec_type, draft_max=config.spec_draft_max,
                                       draft_min=min(config.spec_draft_min, config.spec_draft_max)),
@@ -357,12 +368,14 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
         for i in range(config.replica_count if not config.gpus else len(config.gpus))
     ], disk)
     deterministic = is_deterministic(config)
+    rank = reranks(config, model)
     info = ModelInfo(
         id=config.id, path=str(path), description=model.description, n_vocab=model.n_vocab,
         n_ctx_train=model.n_ctx_train, max_context=settings.ctx_size, slots=pool.slots, replicas=pool.replicas,
         deterministic=deterministic,
-        embedding_dimensions=model.n_embd if config.embeddings and not reranks(config, model) else None,
-        rerank_template=(model.metadata("tokenizer.chat_template.rerank") or "") if reranks(config, model) else None,
+        embedding_dimensions=model.n_embd if config.embeddings and not rank else None,
+        rerank_template=(model.metadata("tokenizer.chat_template.rerank") or "") if rank else None,
+        lora_identities=await asyncio.to_thread(lora_identities, config, prompt_cache_dir),
     )
     logger.info(
         "serving %s (%s): %d x %d slots x %d-token context, batch %d, %d threads, KV %s/%s, %s; "

@@ -56,7 +56,7 @@ from fastrun_cpp.engine.routing import (
 )
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.registry import ModelConfig
-from fastrun_cpp.runtime.model_runtime import ModelInfo, ModelRuntime, chat_setup, is_deterministic
+from fastrun_cpp.runtime.model_runtime import ModelInfo, ModelRuntime, chat_setup, is_deterministic, lora_identities
 
 logger = logging.getLogger(__name__)
 
@@ -550,7 +550,8 @@ async def load_ray_runtime(config: ModelConfig, *, threads: int, faults_spec: st
     info = ModelInfo(id=config.id, path=str(path), description=vocabulary.description, n_vocab=vocabulary.n_vocab,
                      n_ctx_train=vocabulary.n_ctx_train, max_context=config.ctx_size, slots=client.slots,
                      replicas=replicas, deterministic=is_deterministic(config),
-                     embedding_dimensions=vocabulary.n_embd if config.embeddings else None)
+                     embedding_dimensions=vocabulary.n_embd if config.embeddings else None,
+                     lora_identities=await asyncio.to_thread(lora_identities, config, prompt_cache_dir))
     logger.info("serving %s on Ray Serve: %d replicas x %d slots, %d threads and %g GPUs each", config.id, replicas,
                 config.slots, per_replica_threads, gpus)
     return ModelRuntime(config=config, info=info, tokenizer=vocabulary, engine=client, chat_template=chat_template,

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import time
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator, TypeVar
@@ -72,18 +71,11 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
 
 
 def adapters_identity(served: ServedModel, adapters: tuple[tuple[str, float], ...]) -> str:
-    """What KV computed with these adapters depends on: each one's file as it is now (a file
+    """What KV computed with these adapters depends on: each one as it was loaded (a file
     replaced under the same name, across a restart, must not meet its predecessor's KV in the
     disk tier) and its scale."""
-    paths = {adapter.name: adapter.path for adapter in served.config.loras}
-    parts = []
-    for name, scale in adapters:
-        try:
-            stat = os.stat(paths[name])
-            parts.append(f"{name}@{stat.st_size}:{stat.st_mtime_ns}={scale!r}")
-        except OSError:
-            parts.append(f"{name}={scale!r}")
-    return ",".join(parts)
+    identities = served.runtime.info.lora_identities
+    return ",".join(f"{name}@{identities.get(name, '')}={scale!r}" for name, scale in adapters)
 
 
 def current_account() -> str:

@@ -450,13 +450,14 @@ class OpenAIServingChat(OpenAIServing):
         return tokenizer.token_bytes_special if generation.render_special_tokens else tokenizer.token_bytes
 
     @staticmethod
-    def _tokens_to_stop(plan: _Plan, before: str, tokens: list[int], token_bytes: list[bytes]) -> int:
-        """How many of a step's `tokens` the answer took before its calls ended it. A step
-        may bring several (accepted drafts, as many as speculation chose to verify, which
-        depends on timing): the answer, and what it counts, ends at the first token whose
-        text makes the stop certain, wherever and however fast it ran."""
-        if len(tokens) <= 1:
-            return len(tokens)
+    def _completion_at_stop(plan: _Plan, before: str, output: GenerationOutput, token_bytes: list[bytes]) -> int:
+        """The choice's completion tokens when its calls end it at `output`, whose text came
+        after `before`. A step may bring several tokens (accepted drafts, as many as
+        speculation chose to verify, which depends on timing): the answer, and what it counts,
+        ends at the first token whose text makes the stop certain, wherever and however fast
+        it ran."""
+        tokens = output.token_ids
+        earlier = output.completion_tokens - len(tokens)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         text = before
         for taken, token in enumerate(tokens[:-1], start=1):
@@ -464,8 +465,8 @@ class OpenAIServingChat(OpenAIServing):
             parser = plan.parser()
             parser.feed(text)
             if parser.stop_requested:
-                return taken
-        return len(tokens)
+                return earlier + taken
+        return output.completion_tokens
 
     async def _complete(self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
                         stream: EngineStream, plan: _Plan) -> ChatCompletion:
@@ -482,8 +483,7 @@ class OpenAIServingChat(OpenAIServing):
             if not output.finished and parsers[index].stop_requested:  # a repeated call, or the last allowed
                 stopped.add(index)
                 before = collector.text(index)[:-len(output.text) or None]
-                collector.cut(index, output.completion_tokens - len(output.token_ids)
-                              + self._tokens_to_stop(plan, before, output.token_ids, token_bytes))
+                collector.cut(index, self._completion_at_stop(plan, before, output, token_bytes))
                 stream.stop_choice(index)
                 logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
                             generation.request_id, index)
@@ -557,9 +557,8 @@ class OpenAIServingChat(OpenAIServing):
             if parsers[index].stop_requested and not output.finished:
                 stopped.add(index)
                 # Its usage: the tokens up to the one that ended it.
-                finals[index] = dataclasses.replace(output, completion_tokens=(
-                    output.completion_tokens - len(output.token_ids)
-                    + self._tokens_to_stop(plan, "".join(texts[index][:-1]), output.token_ids, answer_bytes)))
+                finals[index] = dataclasses.replace(output, completion_tokens=self._completion_at_stop(
+                    plan, "".join(texts[index][:-1]), output, answer_bytes))
                 stream.stop_choice(index)
                 logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
                             generation.request_id, index)
