@@ -2,10 +2,12 @@
 speed and memory: fastrun-cpp on one model with f16 (the default) and the quantized types,
 side by side, the types' order alternating round to round.
 
-    python bench/kv_cache_types.py [--model smollm2|gemma|PATH] [--types f16,q8_0,q4_0] [--rounds 2]
+    python bench/kv_cache_types.py [--model smollm2|gemma|llama-3.2-3b|PATH] [--types f16,q8_0,q4_0]
+        [--rounds 2] [--paragraphs 80] [--requests-per-client 2]
 
-Measures streamed chat at concurrency 1 and 8 (aggregate tok/s), the time to first token of a
-cold ~2k-token prompt, and the KV memory llama.cpp allocated (its own report, /v1/models). Each
+Measures streamed chat at concurrency 1 and 8 (aggregate tok/s, each client sending
+--requests-per-client answers of 128 tokens), the time to first token of a cold prompt of
+--paragraphs paragraphs (80: about 2k tokens), and the KV memory llama.cpp allocated (its own report, /v1/models). Each
 type's figure is the median over the rounds; the ratio is against f16's.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import MODEL_ID, LevelSummary, ServerSpec, run_level, running  # noqa: E402
+from bench.harness import MODEL_ID, LevelSummary, ServerSpec, large_model, run_level, running  # noqa: E402
 from bench.prefix_cache import long_document, time_to_first_token  # noqa: E402
 from fastrun_cpp.default_model import embedded_model_path  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
@@ -28,6 +30,8 @@ import httpx  # noqa: E402
 
 
 def model_path(name: str) -> Path:
+    if name == "llama-3.2-3b":  # Llama 3.2 3B's shape, random weights, Q4_K_M (made once, in .bench/)
+        return large_model(embedded_model_path())
     if name == "smollm2":
         return embedded_model_path()
     if name == "gemma":
@@ -37,9 +41,9 @@ def model_path(name: str) -> Path:
     return Path(name)
 
 
-async def cold_ttft(base_url: str, tag: str) -> float:
-    async with httpx.AsyncClient(timeout=600) as client:
-        ttft, _, cached = await time_to_first_token(client, base_url, long_document(tag, 80))
+async def cold_ttft(base_url: str, tag: str, paragraphs: int) -> float:
+    async with httpx.AsyncClient(timeout=3600) as client:
+        ttft, _, cached = await time_to_first_token(client, base_url, long_document(tag, paragraphs))
         assert cached < 16  # cold: at most the template's opening tokens
         return ttft
 
@@ -54,6 +58,8 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--types", default="f16,q8_0,q4_0")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paragraphs", type=int, default=80, help="the cold prompt's length (80: ~2k tokens)")
+    parser.add_argument("--requests-per-client", type=int, default=2)
     args = parser.parse_args()
     types = args.types.split(",")
     path = model_path(args.model)
@@ -66,11 +72,11 @@ def main() -> int:
                 asyncio.run(run_level(server.base_url, 1, 1, 8))  # warm-up
                 results.setdefault((kind, "KV MiB (llama.cpp)"), []).append(kv_bytes(server.base_url) / 2**20)
                 for concurrency in (1, 8):
-                    wall, level = asyncio.run(run_level(server.base_url, concurrency, concurrency * 2, 128))
+                    wall, level = asyncio.run(run_level(server.base_url, concurrency, concurrency * args.requests_per_client, 128))
                     summary = LevelSummary.of(kind, concurrency, wall, level)
                     results.setdefault((kind, f"decode c={concurrency} tok/s"), []).append(summary.tok_per_s)
-                ttft = asyncio.run(cold_ttft(server.base_url, f"{kind}{round_index}"))
-                results.setdefault((kind, "cold ~2k-token prompt TTFT s"), []).append(ttft)
+                ttft = asyncio.run(cold_ttft(server.base_url, f"{kind}{round_index}", args.paragraphs))
+                results.setdefault((kind, f"cold {args.paragraphs}-paragraph prompt TTFT s"), []).append(ttft)
             print(f"round {round_index + 1} {kind} done", file=sys.stderr)
     metrics = list(dict.fromkeys(metric for _, metric in results))
     print(f"| {args.model} | " + " | ".join(types) + " |\n|---|" + "---|" * len(types))

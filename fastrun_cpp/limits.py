@@ -32,6 +32,13 @@ class Limits(BaseModel):
     )
     embedding_inputs: int = Field(2048, ge=1, description="Inputs in one embeddings request.")
     rerank_documents: int = Field(1000, ge=1, description="Documents in one rerank request (Cohere's bound).")
+    # Images (vision models): checked from the bytes and the header, before any pixel is decoded.
+    images: int = Field(100, ge=1, description="Images in one request (the context bounds them too).")
+    image_bytes: int = Field(20 * 2**20, ge=1024, description="Bytes of one image as sent, decoded from base64 "
+                             "(OpenAI's bound).")
+    image_pixels: int = Field(64 * 2**20, ge=4096, le=89_478_485, description="Pixels of one image (width x "
+                              "height, from its header): what decoding it may cost in memory, 3 bytes a pixel (at "
+                              "most Pillow's own decompression-bomb bound).")
     # JSON schemas (response_format, tool parameters) and their patterns.
     schema_depth: int = Field(32, ge=1, description="Nesting depth of a JSON schema.")
     schema_nodes: int = Field(4096, ge=1, description="Subschemas, properties and enum values in a JSON schema.")

@@ -171,6 +171,9 @@ class ModelConfig(StrictModel):
     loras: list[LoraAdapter] = Field(default_factory=list, description=(
         "LoRA adapters of this model (GGUF): each is served as the model <id>:<name> and may be named in a "
         "request's lora list."))
+    mmproj: Path | None = Field(None, description=(
+        "A vision projector GGUF (mmproj) for this model, as llama-server's --mmproj: requests may then send "
+        "images (capabilities vision)."))
     rerank: bool = Field(False, description="Serve /v1/rerank from this model: a reranker GGUF (rank pooling and "
                          "a classifier head, as Qwen3-Reranker or bge-reranker). On by itself for a GGUF that "
                          "declares rank pooling.")
@@ -220,6 +223,12 @@ class ModelConfig(StrictModel):
             problem = lora_file_problem(adapter.path)
             if problem:
                 raise ValueError(f"model {self.id!r}: LoRA adapter {adapter.name!r} ({adapter.path}): {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _mmproj_is_a_file(self) -> ModelConfig:
+        if self.mmproj is not None and not self.mmproj.expanduser().is_file():
+            raise ValueError(f"model {self.id!r}: no mmproj file {self.mmproj}")
         return self
 
     @property
@@ -289,7 +298,7 @@ MODEL_OVERRIDES = ("slots", "adapt_threads", "stream_interval_ms", "ctx_size", "
                    "cache_type_k", "cache_type_v",
                    "max_queue", "queue_policy", "rope_scaling", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
-                   "embedding_pooling", "rerank")
+                   "embedding_pooling", "rerank", "mmproj")
 
 
 def _overrides(settings) -> dict:

@@ -6,6 +6,7 @@ disconnects and a clean shutdown."""
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
 import sys
 import time
 
@@ -245,9 +246,28 @@ def test_a_stopped_server_leaves_nothing_in_the_cluster_and_keeps_its_prefixes(r
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 20, usage
 
 
-def test_the_local_backend_never_imports_ray(tmp_path):
-    import subprocess
+def test_a_reranker_on_ray_scores_as_the_local_backend(ray_cluster, tmp_path):
+    """A reranker served through Ray answers /v1/rerank with the local backend's scores (its
+    prompt is the GGUF's, read where the API is served)."""
+    from fastrun_cpp.default_model import embedded_model_path
+    from tests.test_rerank import DOCUMENTS, QUERY
 
+    path = tmp_path / "tiny-reranker.gguf"
+    subprocess.run([sys.executable, "-m", "fastrun_cpp.tiny_model", str(path), "--reranker",
+                    "--like", str(embedded_model_path())], check=True, capture_output=True)
+    body = {"model": path.stem, "query": QUERY, "documents": DOCUMENTS}
+    answers = []
+    for backend in (("--backend", "ray", "--ray-address", ray_cluster, "--replicas", "1"), ()):
+        with run_server("--model", str(path), "--slots", "1", "--ctx-size", "512", *backend,
+                        log_dir=tmp_path, startup_timeout=300) as server:
+            response = httpx.post(f"{server.base_url}/rerank", json=body, timeout=600)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["results"])
+    assert answers[0] == answers[1]
+    assert len(answers[0]) == len(DOCUMENTS)
+
+
+def test_the_local_backend_never_imports_ray(tmp_path):
     probe = ("import sys; from fastrun_cpp.cli import _parser; from fastrun_cpp.entrypoints.openai.api_server "
              "import build_app; from fastrun_cpp.settings import Settings; build_app(Settings()); "
              "print('ray' in sys.modules)")

@@ -80,6 +80,23 @@ def test_a_score_is_the_same_alone_as_among_others(reranker):
     assert {r["index"]: r["relevance_score"] for r in other_query["results"]} != together
 
 
+def test_a_pair_is_tokenized_whole_as_the_models_tokenizer_does(reranker, reranker_path):
+    """The filled prompt is one text to the tokenizer, as the model saw its training pairs and
+    as llama-server tokenizes them: " What" after "<Query>:" is one token, not two."""
+    from fastrun_cpp.engine.model import LlamaModel
+
+    server, model = reranker
+    vocabulary = LlamaModel(reranker_path, vocab_only=True)
+    try:
+        filled = vocabulary.metadata("tokenizer.chat_template.rerank").replace("{query}", QUERY).replace(
+            "{document}", DOCUMENTS[0])
+        expected = vocabulary.tokenize(filled, add_special=True, parse_special=True)
+    finally:
+        vocabulary.close()
+    usage = rerank(server, {"model": model, "query": QUERY, "documents": [DOCUMENTS[0]]}).json()["usage"]
+    assert usage["prompt_tokens"] == len(expected)
+
+
 def test_cohere_sdk_reranks_against_this_server(reranker):
     """Cohere's own client, from PyPI, sending its own request to /v2/rerank."""
     import cohere
@@ -90,6 +107,23 @@ def test_cohere_sdk_reranks_against_this_server(reranker):
     ours = rerank(server, {"model": model, "query": QUERY, "documents": DOCUMENTS, "top_n": 3}).json()["results"]
     assert [(r.index, r.relevance_score) for r in response.results] == [
         (r["index"], r["relevance_score"]) for r in ours]
+
+
+def test_langchain_cohere_rerank_compresses_documents_in_the_servers_order(reranker):
+    """LangChain's CohereRerank (langchain-cohere from PyPI) as a RAG pipeline uses it: a
+    document compressor over LangChain Documents, pointed at this server by base_url."""
+    from langchain_cohere import CohereRerank
+    from langchain_core.documents import Document
+
+    server, model = reranker
+    compressor = CohereRerank(model=model, cohere_api_key="unused", top_n=3,
+                              base_url=server.base_url.removesuffix("/v1"))
+    documents = [Document(page_content=text, metadata={"source": index}) for index, text in enumerate(DOCUMENTS)]
+    kept = compressor.compress_documents(documents, QUERY)
+    ours = rerank(server, {"model": model, "query": QUERY, "documents": DOCUMENTS, "top_n": 3}).json()["results"]
+    assert [(d.metadata["source"], d.metadata["relevance_score"]) for d in kept] == [
+        (r["index"], r["relevance_score"]) for r in ours]
+    assert [d.page_content for d in kept] == [DOCUMENTS[r["index"]] for r in ours]
 
 
 def test_the_model_lists_rerank_and_nothing_it_cannot_do(reranker):

@@ -73,6 +73,12 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         _line_buffer.clear()
 
 
+def route_logs(set_log_callback) -> None:
+    """Send a llama.cpp library's log (libmtmd's: `mtmd_log_set`) where llama.cpp's goes: to
+    this package's logger, at the line's level."""
+    set_log_callback(_log_callback, ctypes.c_void_p(0))
+
+
 def init_backend() -> None:
     """Initialise llama.cpp once per process; safe to call from anywhere."""
     global _initialized

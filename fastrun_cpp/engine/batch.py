@@ -64,3 +64,28 @@ class TokenBatch:
     def as_llama_batch(self) -> llama.llama_batch:
         self._batch.n_tokens = self.size
         return self._batch
+
+
+def embeddings_batch(embeddings: np.ndarray, seq_id: int, start_pos: int) -> tuple[llama.llama_batch, list]:
+    """A llama_batch of input embeddings (one row a position, from `start_pos`, no logits) for
+    one sequence: an image's rows from the vision projector. Also returns the arrays it points
+    into, which must outlive the decode."""
+    count = len(embeddings)
+    rows = np.ascontiguousarray(embeddings, dtype=np.float32)
+    positions = np.arange(start_pos, start_pos + count, dtype=np.int32)
+    n_seq_ids = np.ones(count, dtype=np.int32)
+    seq_ids = np.full(count, seq_id, dtype=np.int32)
+    logits = np.zeros(count, dtype=np.int8)
+    seq_id_p = ctypes.POINTER(llama.llama_seq_id)
+    pointers = (seq_id_p * count)(*(ctypes.cast(seq_ids.ctypes.data + i * seq_ids.itemsize, seq_id_p)
+                                    for i in range(count)))
+    batch = llama.llama_batch(
+        n_tokens=count,
+        token=None,
+        embd=rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+        pos=positions.ctypes.data_as(ctypes.POINTER(llama.llama_pos)),
+        n_seq_id=n_seq_ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+        seq_id=pointers,
+        logits=logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+    )
+    return batch, [rows, positions, n_seq_ids, seq_ids, logits, pointers]

@@ -25,7 +25,7 @@ from fastrun_cpp.engine.context import CACHE_TYPES, FLASH_ATTN, micro_batch_size
 from fastrun_cpp.engine.disk_cache import DiskPromptCache
 from fastrun_cpp.engine.draft import DraftModelRunner, check_vocabularies
 from fastrun_cpp.engine.embedding import Embedder, EmbeddingJobs, model_pooling
-from fastrun_cpp.engine.errors import EngineError, PromptTooLongError, check_prompt_length
+from fastrun_cpp.engine.errors import EngineError, MediaSpanError, PromptTooLongError, check_prompt_length
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import CompiledGrammar
 from fastrun_cpp.engine.kv_cache import KVCacheManager, LlamaSequenceMemory
@@ -172,6 +172,7 @@ class Engine:
             self.check_embed_inputs(request.embed_inputs or [])
         else:  # the serving layer checked it too, with its 400; the engine trusts no caller
             check_prompt_length(len(request.prompt_tokens), self.config.ctx_size)
+            self._check_media(request)
         if (grammar is None) != (request.grammar is None):
             raise ValueError("a request with a grammar needs it compiled")
         with self._lock:
@@ -180,6 +181,22 @@ class Engine:
             self._scheduler.accept(request)  # or CapacityError
             self._inbox.append(WaitingRequest(request, grammar, list(range(request.n))))
             self._lock.notify()
+
+    def _check_media(self, request: GenerationRequest) -> None:
+        """Images lie in order inside the prompt, each with a row of the model's input width
+        per token, before the prompt's last token; one whose rows attend both ways fits one
+        micro-batch (it is decoded in one pass)."""
+        end = 0
+        width, n_ubatch = self.model.n_embd_inp, micro_batch_size(self.config)
+        for span in request.media:
+            if span.start < end or span.length < 1 or span.end >= len(request.prompt_tokens):
+                raise MediaSpanError("images must lie in order inside the prompt, before its last token")
+            if len(span.embeddings) != span.length * width * 4:
+                raise MediaSpanError(f"an image of {span.length} tokens needs {span.length} rows of {width} floats")
+            if span.non_causal and span.length > n_ubatch:
+                raise MediaSpanError(f"an image of {span.length} tokens is over the {n_ubatch}-token micro-batch "
+                                 "it must be decoded in (raise --batch-size)")
+            end = span.end
 
     def retry_after_s(self) -> int:
         return self._scheduler.retry_after_s()

@@ -29,6 +29,11 @@ def check_prompt_length(n_prompt_tokens: int, context: int) -> None:
         )
 
 
+class MediaSpanError(EngineError, ValueError):
+    """A request's images cannot be decoded as given (the engine's own check of what the
+    serving layer built)."""
+
+
 class CapacityError(EngineError):
     """Every slot is busy and the wait queue is full; with `over_share`, the account asking holds
     its fair share of them while other accounts wait (they still get in)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -165,19 +165,21 @@ class KVCacheManager:
         return neighbours(slot.seq_id, busy), -slot.last_used
 
     def prepare(self, slot: Slot, prompt: list[int], namespace: str, held: int, *,
-                every_position: bool = False) -> tuple[str, int]:
+                every_position: bool = False, cut: Callable[[int], int] | None = None) -> tuple[str, int]:
         """Make the slot's sequence, which holds the first `held` tokens of `prompt` that
         `namespace` may reuse (from `choose`), hold the longest cached prefix of it there is
         (never the last prompt token: its logits are needed). Returns where it came from
         ("slot", "host", "disk" or "miss") and its length. With `every_position` (echo with
-        logprobs) nothing is reused: every prompt position's logits are needed."""
+        logprobs) nothing is reused: every prompt position's logits are needed. `cut` shortens
+        a prefix to one the request can go on from (none ending inside an image)."""
         if every_position:
             self._save_if_unrelated(slot, held)
             self.clear(slot)
             slot.namespace = namespace
             return "miss", 0
         source, held = self._load_prefix(slot, prompt, namespace, held)
-        reused = self._keep_prefix(slot, min(held, len(prompt) - 1))
+        usable = min(held, len(prompt) - 1)
+        reused = self._keep_prefix(slot, cut(usable) if cut is not None else usable)
         slot.namespace = namespace
         return (source if reused else "miss"), reused
 

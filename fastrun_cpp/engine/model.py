@@ -71,6 +71,8 @@ class LlamaModel:
         self.n_ctx_train: int = llama.llama_model_n_ctx_train(self._model)
         self.n_swa: int = llama.llama_model_n_swa(self._model)
         self.n_embd: int = llama.llama_model_n_embd(self._model)
+        # The width of its input embeddings (what a vision projector writes per image token).
+        self.n_embd_inp: int = llama.llama_model_n_embd_inp(self._model)
         self.add_bos: bool = bool(llama.llama_vocab_get_add_bos(self._vocab))
         self.bos_token_id: int = llama.llama_vocab_bos(self._vocab)
         self.eos_token_id: int = llama.llama_vocab_eos(self._vocab)

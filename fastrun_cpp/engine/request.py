@@ -57,6 +57,32 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed this request
 
 
+@dataclass(frozen=True)
+class MediaSpan:
+    """An image's place in a prompt: `length` tokens from `start`, each a placeholder
+    (media_placeholders) standing for one row of `embeddings`, which the engine decodes in
+    place of token embeddings, the whole span in one pass."""
+
+    start: int
+    length: int
+    embeddings: bytes  # float32, length x the model's input width, row-major
+    non_causal: bool  # its rows attend to each other both ways (Gemma 3's images)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def media_placeholders(digest: bytes, length: int) -> list[int]:
+    """The tokens an image of `digest` (32 bytes) stands as in a prompt: negative, so never a
+    vocabulary token, and carrying the digest's bits 30 at a time, so that prefix matching -
+    by the slots, the host and the disk tiers alike - reuses an image's KV only for the same
+    pixels. The disk tier stores tokens as int32: every placeholder fits."""
+    value, mask = int.from_bytes(digest, "little"), (1 << 30) - 1
+    # Position i's digest bits, mixed with i so that the tokens within an image differ.
+    return [-2 - (((value >> (30 * (i % 8))) & mask) ^ ((i * 0x9E3779B1) & mask)) for i in range(length)]
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -90,6 +116,31 @@ class GenerationRequest:
     # LoRA adapters to answer with, (name, scale) sorted by name: steps decode one adapter set
     # at a time, so it never shares a decode with a request that asks for another.
     adapters: tuple[tuple[str, float], ...] = ()
+    # Images in the prompt, in order, never overlapping and never its last token (the answer's
+    # first token is read from the prompt's last logits, and an image's rows give none).
+    media: tuple[MediaSpan, ...] = ()
+
+    def whole_media(self, cursor: int, length: int) -> int:
+        """How many prompt tokens from `cursor` a chunk of at most `length` may take without
+        cutting an image: a chunk that starts at an image takes the whole image (it is decoded
+        in one pass), and one that starts before an image stops where the image starts."""
+        for span in self.media:
+            if span.start == cursor:
+                return span.length
+            if cursor < span.start < cursor + length:
+                return span.start - cursor
+        return length
+
+    def media_at(self, cursor: int) -> MediaSpan | None:
+        return next((span for span in self.media if span.start == cursor), None)
+
+    def reusable_prefix(self, length: int) -> int:
+        """The longest prefix of at most `length` tokens that ends outside every image (a
+        cached prefix ending inside one is cut back to where it starts)."""
+        for span in self.media:
+            if span.start < length < span.end:
+                return span.start
+        return length
 
     @property
     def input_tokens(self) -> int:

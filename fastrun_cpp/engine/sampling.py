@@ -352,10 +352,12 @@ class SamplerChain:
             self._grammar = armed
 
     def accept_prompt(self, tokens: Iterable[int]) -> None:
-        """Let the penalties see the prompt, as they see generated tokens."""
+        """Let the penalties see the prompt, as they see generated tokens (an image's
+        placeholders are no tokens: they are skipped)."""
         if self._penalties is not None:
             for token in tokens:
-                llama.llama_sampler_accept(self._penalties, token)
+                if token >= 0:
+                    llama.llama_sampler_accept(self._penalties, token)
 
     def valid_draft(self, draft: list[int]) -> list[int]:
         """The part of a draft the grammar accepts (a refused token is never verified)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 from fastrun_cpp.engine.errors import CapacityError, EngineError
 from fastrun_cpp.engine.logprobs import TokenLogprob
 from fastrun_cpp.engine.output import OutputProcessor
-from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.request import FinishReason, GenerationOutput, GenerationRequest, MediaSpan
 from fastrun_cpp.engine.reasoning_budget import ReasoningTracker
 from fastrun_cpp.engine.request_queue import Paused, RequestQueue, WaitingRequest, fair_share
 from fastrun_cpp.engine.slot import RunningChoice, Slot
@@ -95,6 +95,7 @@ class ScheduledChunk:
     position: int  # of its first token
     ends_prompt: bool  # its last logits give the answer's first token
     scored: bool  # logits of every position (echo with logprobs)
+    media: MediaSpan | None = None  # the chunk is this image, whole (its tokens are placeholders)
 
 
 @dataclass(frozen=True)
@@ -357,9 +358,9 @@ class Scheduler:
         for slot in prefilling:
             if free_rows == 0:
                 break
-            length = min(free_rows, slot.choice.prompt_left)
+            length = slot.request.whole_media(slot.choice.prompt_cursor, min(free_rows, slot.choice.prompt_left))
             chunks.append((slot, length))
-            free_rows -= length
+            free_rows -= min(length, free_rows)  # an image is decoded whole, in a pass of its own
         return chunks
 
     # -------------------------------------------------- carrying it out, the engine's thread
@@ -402,14 +403,17 @@ class Scheduler:
         free = self.free_slots()
         leader, held = self._kv.choose(free, prompt, namespace)
         source, reused = self._kv.prepare(leader, prompt, namespace, held,
-                                          every_position=request.prompt_logprobs is not None)
+                                          every_position=request.prompt_logprobs is not None,
+                                          cut=request.reusable_prefix)
         if admission.first_wave:  # later waves are the same request: counted once
             self._count(request, leader, source, reused)
         room = self._ctx_size - len(prompt)
         max_tokens = min(request.max_tokens, room) if request.max_tokens else room
         self._clock += 1
         followers = self._kv.place([s for s in free if s is not leader], len(choices) - 1, beside=leader)
-        speculative = self._speculation.enabled and request.speculative
+        # Drafters read the prompt as tokens; an image's placeholders are none (and a draft
+        # model could not decode them).
+        speculative = self._speculation.enabled and request.speculative and not request.media
         for index, slot in zip(choices, [leader, *followers]):
             if slot is not leader:
                 self._kv.take_for_copy(slot, namespace)  # it gets a copy of the prompt's KV
@@ -516,7 +520,8 @@ class Scheduler:
             ends_prompt = choice.prompt_cursor + length == len(prompt)
             chunks.append(ScheduledChunk(slot.seq_id, choice, prompt[choice.prompt_cursor : choice.prompt_cursor + length],
                                          choice.prompt_cursor, ends_prompt,
-                                         scored=choice.request.prompt_logprobs is not None))
+                                         scored=choice.request.prompt_logprobs is not None,
+                                         media=choice.request.media_at(choice.prompt_cursor)))
             if ends_prompt and choice.followers:
                 forks[slot.seq_id] = tuple((follower.seq_id, follower.choice) for follower in choice.followers
                                            if follower.request is choice.request)

@@ -15,8 +15,9 @@ import time
 from typing import Callable
 
 import llama_cpp.llama_cpp as llama
+import numpy as np
 
-from fastrun_cpp.engine.batch import TokenBatch
+from fastrun_cpp.engine.batch import TokenBatch, embeddings_batch
 from fastrun_cpp.engine.constraint import MasksAhead
 from fastrun_cpp.engine.errors import ConstraintError
 from fastrun_cpp.engine.faults import Faults
@@ -115,7 +116,10 @@ class StepRunner:
             logits_rows[decode.seq_id] = list(range(last - len(tokens) + 1, last + 1))
         decode_rows = batch.size
         chunk_starts: dict[int, int] = {}  # by sequence: the batch index of a scored chunk's first token
+        images = [chunk for chunk in plan.chunks if chunk.media is not None]
         for chunk in plan.chunks:
+            if chunk.media is not None:
+                continue  # decoded on its own, below
             last = batch.add(chunk.seq_id, chunk.tokens, chunk.position, logits=chunk.scored,
                              logits_last=chunk.ends_prompt)
             logits_rows[chunk.seq_id] = [last] if chunk.ends_prompt else []
@@ -133,12 +137,15 @@ class StepRunner:
             if self._faults.decode_fails():
                 status = INJECTED_FAILURE
             else:
-                status = llama.llama_decode(self._ctx, batch.as_llama_batch())
+                status = self._decode_images(images)
+                if status == 0 and batch.size:
+                    status = llama.llama_decode(self._ctx, batch.as_llama_batch())
             self._stats.decode_seconds += time.perf_counter() - started
         finally:
             self._mask_seconds = self._masks_ahead.finish()
+        priced = batch.size == decode_rows and not images  # a step of decodes alone
         result = StepResult(status, drafts, drafted, held_back, {}, {}, started,
-                            passes=tuple(micro_batches(shape, self._n_ubatch)) if batch.size == decode_rows else ())
+                            passes=tuple(micro_batches(shape, self._n_ubatch)) if priced else ())
         if status != 0:
             return result
         for chunk in plan.chunks:
@@ -157,6 +164,28 @@ class StepRunner:
                 for seq_id, follower in plan.forks.get(chunk.seq_id, ()):
                     result.picked[seq_id] = self._pick(seq_id, follower, rows, [])
         return result
+
+    def _decode_images(self, images: list) -> int:
+        """Decode each image chunk's rows into its sequence, the whole image in one call (an
+        image whose rows attend both ways must be in one pass: the context's micro-batch holds
+        it, checked when the request was made). Before the step's tokens, so that a sequence's
+        text after an image, in a later step, sees it."""
+        width = self._model.n_embd_inp
+        for chunk in images:
+            span = chunk.media
+            rows = np.frombuffer(span.embeddings, dtype=np.float32).reshape(span.length, width)
+            batch, keep = embeddings_batch(rows, chunk.seq_id, chunk.position)
+            if span.non_causal:
+                llama.llama_set_causal_attn(self._ctx, False)
+            try:
+                status = llama.llama_decode(self._ctx, batch)
+            finally:
+                if span.non_causal:
+                    llama.llama_set_causal_attn(self._ctx, True)
+            del keep
+            if status != 0:
+                return status
+        return 0
 
     def _use_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
         """Apply the step's LoRA set to the context (llama.cpp re-plans its graph on a change:

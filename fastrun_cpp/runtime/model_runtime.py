@@ -20,6 +20,7 @@ from fastrun_cpp.engine.embedding import model_pooling
 from fastrun_cpp.engine.grammar import GrammarCompiler
 from fastrun_cpp.engine.model import gpu_offload_available
 from fastrun_cpp.engine.speculative import SpeculationConfig
+from fastrun_cpp.engine.vision import Projector
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.pool import EnginePool
 from fastrun_cpp.parsers import ReasoningParser, ToolParser, select_reasoning_parser, select_tool_parser
@@ -49,6 +50,8 @@ class ModelInfo:
     # Each LoRA adapter's identity as it was loaded (its file's SHA-256): KV computed with it is
     # keyed by it, so an adapter file replaced across a restart never meets the old one's KV.
     lora_identities: dict[str, str] = field(default_factory=dict)
+    vision: bool = False  # takes images (a projector is loaded)
+    audio: bool = False  # takes audio (its projector has an audio encoder)
 
 
 class ModelRuntime:
@@ -68,6 +71,7 @@ class ModelRuntime:
         reasoning_parser: ReasoningParser | None,
         grammars: GrammarCompiler,
         weights: list[LlamaModel],
+        projector: Projector | None = None,
     ) -> None:
         self.config = config
         self.info = info
@@ -77,6 +81,7 @@ class ModelRuntime:
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.grammars = grammars
+        self.projector = projector  # turns a request's images into embeddings, if the model has one
         self._weights = weights
 
     def check_prompt(self, n_prompt_tokens: int) -> None:
@@ -85,6 +90,8 @@ class ModelRuntime:
     async def close(self) -> None:
         await self.engine.shutdown()
         self.grammars.close()
+        if self.projector is not None:
+            self.projector.close()
         for model in {id(m): m for m in self._weights}.values():  # each distinct copy once
             model.close()
 
@@ -216,6 +223,12 @@ def reranks(config: ModelConfig, model: LlamaModel | None) -> bool:
     return config.rerank or (model is not None and model_pooling(model, None) == "rank")
 
 
+def rerank_template(config: ModelConfig, model: LlamaModel) -> str | None:
+    """A reranker's prompt for a (query, document) pair, the GGUF's own ("" where it has none:
+    the pair is then joined as llama-server joins it); None for a model that does not rerank."""
+    return (model.metadata("tokenizer.chat_template.rerank") or "") if reranks(config, model) else None
+
+
 def engine_config(config: ModelConfig, *, threads: int, limits: Limits | None = None,
                   model: LlamaModel | None = None) -> EngineConfig:
     deterministic = is_deterministic(config)
@@ -323,9 +336,12 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
         return None
     # A scaled RoPE writes other keys: such states live apart (and the unscaled ones where they were).
     scaled = {"rope": [settings.rope_scaling, settings.trained_ctx, settings.ctx_size]} if settings.rope_scaling else {}
+    # An image's KV is keyed by its pixels; what they became is the projector's doing.
+    projected = {"mmproj": file_identity(config.mmproj.expanduser().resolve(), known=directory / IDENTITIES_FILE)
+                 } if config.mmproj else {}
     namespace = namespace_of(
         model=file_identity(path, known=directory / IDENTITIES_FILE), n_swa=model.n_swa, swa_full=settings.swa_full,
-        **scaled,
+        **scaled, **projected,
         type_k=settings.cache_type_k, type_v=settings.cache_type_v, flash_attn=settings.flash_attn,
         deterministic=is_deterministic(config), repacked=repacks_weights(config), llama_cpp=llama_cpp.__version__,
         build=system_info(), sources=llama_cpp_build(),
@@ -368,14 +384,19 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
         for i in range(config.replica_count if not config.gpus else len(config.gpus))
     ], disk)
     deterministic = is_deterministic(config)
-    rank = reranks(config, model)
+    template = rerank_template(config, model)
+    projector = None
+    if config.mmproj is not None:
+        projector = await asyncio.to_thread(Projector, config.mmproj.expanduser(), model, threads=threads,
+                                            use_gpu=uses_gpu(config))
     info = ModelInfo(
         id=config.id, path=str(path), description=model.description, n_vocab=model.n_vocab,
         n_ctx_train=model.n_ctx_train, max_context=settings.ctx_size, slots=pool.slots, replicas=pool.replicas,
         deterministic=deterministic,
-        embedding_dimensions=model.n_embd if config.embeddings and not rank else None,
-        rerank_template=(model.metadata("tokenizer.chat_template.rerank") or "") if rank else None,
+        embedding_dimensions=model.n_embd if config.embeddings and template is None else None,
+        rerank_template=template,
         lora_identities=await asyncio.to_thread(lora_identities, config, prompt_cache_dir),
+        vision=projector is not None and projector.vision, audio=projector is not None and projector.audio,
     )
     logger.info(
         "serving %s (%s): %d x %d slots x %d-token context, batch %d, %d threads, KV %s/%s, %s; "
@@ -387,4 +408,4 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     )
     return ModelRuntime(config=config, info=info, tokenizer=model, engine=pool, chat_template=chat_template,
                         tool_parser=tool_parser, reasoning_parser=reasoning_parser, grammars=grammars,
-                        weights=weights)
+                        weights=weights, projector=projector)

@@ -56,7 +56,8 @@ from fastrun_cpp.engine.routing import (
 )
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.registry import ModelConfig
-from fastrun_cpp.runtime.model_runtime import ModelInfo, ModelRuntime, chat_setup, is_deterministic, lora_identities
+from fastrun_cpp.runtime.model_runtime import (ModelInfo, ModelRuntime, chat_setup, is_deterministic, lora_identities,
+                                              rerank_template)
 
 logger = logging.getLogger(__name__)
 
@@ -504,6 +505,9 @@ async def load_ray_runtime(config: ModelConfig, *, threads: int, faults_spec: st
                            replica_timeout_s: float = 60.0) -> ModelRuntime:
     """Deploy the model's replicas on Ray Serve and return its runtime for the ingress: the
     vocabulary, chat template, parsers and grammar checks here, the engines there."""
+    if config.mmproj is not None:
+        raise ModelLoadError(f"{config.id}: vision projectors (mmproj) are served by the local backend only, "
+                             "not on --backend ray yet")
     await asyncio.to_thread(connect, address)
     replicas = config.replica_count
     per_replica_threads = config.threads or max(1, threads // replicas)
@@ -547,10 +551,12 @@ async def load_ray_runtime(config: ModelConfig, *, threads: int, faults_spec: st
     vocabulary = await asyncio.to_thread(LlamaModel, path, vocab_only=True)
     chat_template, tool_parser, reasoning_parser = chat_setup(config, vocabulary)
     client = RayEngineClient(app_name, handle, board, replicas, config.slots, config.id, replica_timeout_s)
+    template = rerank_template(config, vocabulary)
     info = ModelInfo(id=config.id, path=str(path), description=vocabulary.description, n_vocab=vocabulary.n_vocab,
                      n_ctx_train=vocabulary.n_ctx_train, max_context=config.ctx_size, slots=client.slots,
                      replicas=replicas, deterministic=is_deterministic(config),
-                     embedding_dimensions=vocabulary.n_embd if config.embeddings else None,
+                     embedding_dimensions=vocabulary.n_embd if config.embeddings and template is None else None,
+                     rerank_template=template,
                      lora_identities=await asyncio.to_thread(lora_identities, config, prompt_cache_dir))
     logger.info("serving %s on Ray Serve: %d replicas x %d slots, %d threads and %g GPUs each", config.id, replicas,
                 config.slots, per_replica_threads, gpus)

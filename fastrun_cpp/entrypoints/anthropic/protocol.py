@@ -25,23 +25,55 @@ class ToolUseBlock(RequestModel):
     input: dict[str, Any]
 
 
+class ImageSource(RequestModel):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(RequestModel):
+    type: Literal["image"]
+    source: ImageSource
+
+    def chat_part(self) -> dict[str, Any]:
+        """The image as a chat image_url part: a data URI of its base64, or its URL."""
+        source = self.source
+        if source.type == "base64":
+            if source.data is None:
+                raise ValueError("an image source of type base64 needs data")
+            return {"type": "image_url", "image_url": {"url": f"data:{source.media_type or 'image/png'};base64,"
+                                                              f"{source.data}"}}
+        if source.url is None:
+            raise ValueError("an image source of type url needs a url")
+        return {"type": "image_url", "image_url": {"url": source.url}}
+
+
+def chat_parts(blocks: list[TextBlock | ImageBlock]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": block.text} if isinstance(block, TextBlock) else block.chat_part()
+            for block in blocks]
+
+
 class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]] | None = None
     is_error: bool | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
+    def _text_and_images(cls, value: Any) -> Any:
         return _tool_result_blocks(value)
 
-    def text(self) -> str:
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The result as a chat message's content: its text, or its parts with the images."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(block.text for block in self.content)
+        if not any(isinstance(block, ImageBlock) for block in self.content):
+            return "\n".join(block.text for block in self.content)
+        return chat_parts(self.content)
 
 
 class ThinkingBlock(RequestModel):
@@ -60,13 +92,13 @@ class ServerToolBlock(RequestModel):
                   "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result", "container_upload"]
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, ServerToolBlock],
+ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, ServerToolBlock],
                          Field(discriminator="type")]
-_KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking",
+_KNOWN_BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking",
                  *ServerToolBlock.model_fields["type"].annotation.__args__)
-# Blocks a tool result may hold besides text; each becomes a short note in the prompt (this
-# server reads text only, and an agent's tool may return a screenshot or a file).
-_PLACEHOLDER_BLOCKS = ("image", "document", "search_result", "tool_reference")
+# Blocks a tool result may hold besides text and images; each becomes a short note in the
+# prompt (an agent's tool may return a file or a search result this server cannot read).
+_PLACEHOLDER_BLOCKS = ("document", "search_result", "tool_reference")
 
 
 def _text_blocks_only(value: Any, where: str) -> Any:
@@ -80,7 +112,7 @@ def _text_blocks_only(value: Any, where: str) -> Any:
 
 
 def _tool_result_blocks(value: Any) -> Any:
-    """A tool result's blocks with those this server cannot read spelled as a note."""
+    """A tool result's blocks, with those this server cannot read spelled as a note."""
     if not isinstance(value, list):
         return value
     blocks = []
@@ -89,8 +121,8 @@ def _tool_result_blocks(value: Any) -> Any:
         if kind in _PLACEHOLDER_BLOCKS:
             name = block.get("tool_name") if kind == "tool_reference" else None
             blocks.append({"type": "text", "text": f"[tool {name} loaded]" if name else f"[{kind} not shown]"})
-        elif kind != "text":
-            raise ValueError(f"tool_result content block {index} has type {kind!r}; supported: text, "
+        elif kind not in ("text", "image"):
+            raise ValueError(f"tool_result content block {index} has type {kind!r}; supported: text, image, "
                              f"{', '.join(_PLACEHOLDER_BLOCKS)}")
         else:
             blocks.append(block)

@@ -15,6 +15,7 @@ from sse_starlette import ServerSentEvent
 from fastrun_cpp.entrypoints.answer import AnswerDelta, AnswerEvents, AnswerUsage, ChoiceFinished
 from fastrun_cpp.entrypoints.anthropic.protocol import (
     CountTokensRequest,
+    ImageBlock,
     MessageResponse,
     Metadata,
     MessagesRequest,
@@ -28,6 +29,7 @@ from fastrun_cpp.entrypoints.anthropic.protocol import (
     ToolUseBlock,
     ToolUseContent,
     Usage,
+    chat_parts,
 )
 from fastrun_cpp.entrypoints.anthropic.errors import anthropic_error_body
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
@@ -91,10 +93,15 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
             continue
         for block in message.content:
             if isinstance(block, ToolResultBlock):
-                text = block.text()
-                messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                                 "content": f"Error: {text}" if block.is_error else text})
-        if texts:
+                content = block.chat_content()
+                if block.is_error:
+                    content = (f"Error: {content}" if isinstance(content, str)
+                               else [{"type": "text", "text": "Error:"}, *content])
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+        said = [block for block in message.content if isinstance(block, (TextBlock, ImageBlock))]
+        if any(isinstance(block, ImageBlock) for block in said):
+            messages.append({"role": "user", "content": chat_parts(said)})  # text and images in their order
+        elif texts:
             messages.append({"role": "user", "content": "\n".join(texts)})
     return messages
 

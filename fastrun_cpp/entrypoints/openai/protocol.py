@@ -8,7 +8,7 @@ extras keep working; every named field is validated to its range.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -163,18 +163,27 @@ class ChatMessage(RequestModel):
 
     @field_validator("content", mode="after")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
+    def _text_and_image_parts(cls, content: Any) -> Any:
         if isinstance(content, list):
             for index, part in enumerate(content):
                 kind = part.get("type")
-                if kind != "text":
-                    raise ValueError(
-                        f"content part {index} has type {kind!r}; only text parts are supported "
-                        "(fastrun serves text only)"
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"content part {index} needs a string 'text'")
+                if kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"content part {index} needs a string 'text'")
+                elif kind == "image_url":
+                    image = part.get("image_url")
+                    url = image.get("url") if isinstance(image, dict) else image
+                    if not isinstance(url, str):
+                        raise ValueError(f"content part {index} needs an image_url with a string 'url'")
+                else:
+                    raise ValueError(f"content part {index} has type {kind!r}; supported: text, image_url")
         return content
+
+    def images(self) -> list[str]:
+        """The URLs (data URIs) of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [image_url(part) for part in self.content if part.get("type") == "image_url"]
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -182,12 +191,20 @@ class ChatMessage(RequestModel):
             raise ValueError(f"a {self.role} message needs content")
         return self
 
-    def text(self) -> str:
+    def text(self, image: Callable[[str], str] | None = None) -> str:
+        """The message's text, its parts joined by newlines; each image part as `image(url)`
+        writes it (a marker where the image goes), or left out without `image`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part["text"] for part in self.content)
+        return "\n".join(part["text"] if part.get("type") == "text" else image(image_url(part))
+                         for part in self.content if part.get("type") == "text" or image is not None)
+
+
+def image_url(part: dict[str, Any]) -> str:
+    image = part["image_url"]
+    return image["url"] if isinstance(image, dict) else image
 
 
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]  # token id (as JSON keys are) -> bias

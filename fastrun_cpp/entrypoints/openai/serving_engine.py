@@ -8,9 +8,10 @@ import asyncio
 import dataclasses
 import logging
 import math
+import secrets
 import time
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
@@ -26,8 +27,8 @@ from fastrun_cpp.engine import (
     RequestTimedOut,
     SamplingParams,
 )
-from fastrun_cpp.engine.errors import GrammarError, RequestRejected
-from fastrun_cpp.engine.request import BULK_PRIORITY
+from fastrun_cpp.engine.errors import GrammarError, MediaSpanError, RequestRejected
+from fastrun_cpp.engine.request import BULK_PRIORITY, MediaSpan, media_placeholders
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.body import BODY_CHECKED_APART_BYTES, BodyChecker, BodyError, decode_body
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, upstream_error, validation_message
@@ -43,6 +44,7 @@ from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, S
 from fastrun_cpp.entrypoints.request_context import current_record
 from fastrun_cpp.entrypoints.tenancy import LimitReached
 from fastrun_cpp.limits import Limits
+from fastrun_cpp.media import MediaError, decode_image, image_bytes
 from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.structured.builder import BuildError, GrammarBuilder
 from fastrun_cpp.structured.spec import GrammarSpec
@@ -55,6 +57,39 @@ AT_CAPACITY = "all backends for this model are at capacity"
 OVER_SHARE = ("this account holds its fair share of this model's slots and wait queue while other accounts "
               "wait; retry later")
 R = TypeVar("R", bound=RequestModel)
+# Where an image goes in a rendered prompt (with a nonce between): private-use characters, which
+# no chat template writes.
+_MEDIA_OPEN, _MEDIA_CLOSE = "\ue002", "\ue003"
+
+
+class PromptImages:
+    """A request's images as its messages are turned into template input: each image part is
+    written as a marker this request alone can make (a user cannot type it), and its URL kept,
+    in the order the markers stand (media_prompt puts the images there). For a model with no
+    projector, an image a user sent is a 400, and one a tool returned (an agent's screenshot)
+    a note in the text, so that the agent's turn goes on."""
+
+    def __init__(self, served: ServedModel, limits: Limits) -> None:
+        self._served, self._limits = served, limits
+        self.marker = f"{_MEDIA_OPEN}{secrets.token_hex(8)}{_MEDIA_CLOSE}"
+        self.urls: list[str] = []
+
+    def __call__(self, url: str) -> str:
+        return self._place(url, from_tool=False)
+
+    def from_tool(self, url: str) -> str:
+        return self._place(url, from_tool=True)
+
+    def _place(self, url: str, *, from_tool: bool) -> str:
+        if self._served.runtime.projector is None:
+            if from_tool:
+                return "[image not shown]"
+            raise bad_request(f"the model {self._served.id!r} does not take images: serve it with its vision "
+                              "projector (--mmproj, or mmproj in its registry entry)")
+        if len(self.urls) >= self._limits.images:
+            raise bad_request(f"over {self._limits.images} images in one request (limit --limit-images)")
+        self.urls.append(url)
+        return self.marker
 
 
 def stop_sequences(stop: str | list[str] | None, served: ServedModel) -> tuple[str, ...]:
@@ -213,6 +248,40 @@ class OpenAIServing:
             raise bad_request(f"the prompt is {characters} characters long, far more than the context window of "
                               f"{runtime.info.max_context} tokens (prompt and answer together)")
 
+    def prompt_images(self, served: ServedModel) -> PromptImages:
+        return PromptImages(served, self.limits)
+
+    def media_prompt(self, served: ServedModel, rendered: str, images: PromptImages,
+                     tokenize_text: Callable[[str, bool], list[int]]) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        """The tokens of a rendered prompt with images (in the prompt pool): its text between
+        the markers by `tokenize_text(text, first)`, and each image as the projector frames it,
+        its tokens placeholders keyed by its pixels (engine/request.py) with its embeddings
+        beside them. Images are decoded and checked here, before the projector sees them, and
+        the prompt's length is checked after each, so no image past the context is encoded."""
+        urls = images.urls
+        pieces = rendered.split(images.marker)
+        if len(pieces) != len(urls) + 1:
+            raise bad_request("the chat template did not place every image of the messages in the prompt")
+        projector = served.runtime.projector
+        tokens = tokenize_text(pieces[0], True)
+        spans = []
+        for url, after in zip(urls, pieces[1:]):
+            try:
+                data, media_type = image_bytes(url)
+                image = decode_image(data, media_type, self.limits)
+                encoded = projector.encode(image.width, image.height, image.rgb, image.digest)
+            except MediaError as exc:
+                raise bad_request(f"image {len(spans) + 1}: {exc}") from exc
+            except ValueError as exc:  # the projector's refusal
+                raise bad_request(f"image {len(spans) + 1}: {exc}") from exc
+            tokens += encoded.before
+            spans.append(MediaSpan(len(tokens), encoded.length, encoded.embeddings, encoded.non_causal))
+            tokens += media_placeholders(image.digest, encoded.length)
+            tokens += encoded.after
+            self.check_prompt_tokens(served, tokens)
+            tokens += tokenize_text(after, False)
+        return tokens, tuple(spans)
+
     def check_prompt_tokens(self, served: ServedModel, tokens: list[int]) -> None:
         try:
             served.runtime.check_prompt(len(tokens))
@@ -312,7 +381,7 @@ class OpenAIServing:
         except CapacityError as exc:
             raise APIError(429, OVER_SHARE if exc.over_share else AT_CAPACITY, "rate_limit_error",
                            retry_after=exc.retry_after_s) from exc
-        except PromptTooLongError as exc:
+        except (PromptTooLongError, MediaSpanError) as exc:
             raise bad_request(str(exc)) from exc
         except EngineError as exc:
             raise APIError(503, f"the model is not serving: {exc}", "unavailable", retry_after=5) from exc

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from fastrun_cpp.chat import ChatTemplateError
 from fastrun_cpp.chat.escape import ControlTextEscaper
 from fastrun_cpp.engine import FinishReason, GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.request import MediaSpan
 from fastrun_cpp.engine.reasoning_budget import ReasoningBudget
 from fastrun_cpp.entrypoints.answer import (
     AnswerDelta,
@@ -45,6 +46,7 @@ from fastrun_cpp.entrypoints.openai.protocol import (
 from fastrun_cpp.entrypoints.openai.serving_engine import (
     ChoiceCollector,
     OpenAIServing,
+    PromptImages,
     current_account,
     openai_finish_reason,
     stop_sequences,
@@ -77,8 +79,11 @@ def _arguments_object(arguments: str) -> Any:
     return value if isinstance(value, dict) else arguments
 
 
-def template_messages(messages: list[ChatMessage], *, tools_as_text: bool) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: plain dicts with string content.
+def template_messages(messages: list[ChatMessage], *, tools_as_text: bool,
+                      images: PromptImages | None = None) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: plain dicts with string content, each image
+    part written as `images` writes it (a marker where the image goes; without `images`,
+    image parts are left out).
 
     With `tools_as_text` (templates that know nothing of tools) past calls are written into
     the assistant's text in the fallback format, and tool results become user turns.
@@ -86,7 +91,9 @@ def template_messages(messages: list[ChatMessage], *, tools_as_text: bool) -> li
     rendered = []
     for message in messages:
         role = "system" if message.role == "developer" else message.role  # same meaning
-        item: dict[str, Any] = {"role": role, "content": message.text()}
+        image = None if images is None else images.from_tool if role == "tool" else images
+        text = message.text(image)  # once: each image it meets is collected where its marker stands
+        item: dict[str, Any] = {"role": role, "content": text}
         if message.reasoning_content and role == "assistant":
             item["reasoning_content"] = message.reasoning_content
         if tools_as_text:
@@ -98,7 +105,7 @@ def template_messages(messages: list[ChatMessage], *, tools_as_text: bool) -> li
                 )
                 item["content"] = (item["content"] + "\n" if item["content"] else "") + calls
             if role == "tool":
-                item = {"role": "user", "content": f"Result of the tool call: {message.text()}"}
+                item = {"role": "user", "content": f"Result of the tool call: {text}"}
         else:
             if message.tool_calls:
                 item["tool_calls"] = [
@@ -207,7 +214,7 @@ class OpenAIServingChat(OpenAIServing):
         # A grammar from the first token leaves no room for reasoning; with thinking on, the
         # grammar waits for the reasoning to end.
         reasoning_parser = runtime.reasoning_parser if thinking or not constrained else None
-        prompt, prompt_tokens = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        prompt, prompt_tokens, media = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
         plan = _Plan(
             tool_parser=tool_parser,
             reasoning_parser=reasoning_parser,
@@ -232,6 +239,7 @@ class OpenAIServingChat(OpenAIServing):
             stepwise_outputs=tool_parser is not None,  # its calls may end a choice at any step
             reasoning_budget=self._reasoning_budget(served, request, plan),
             adapters=self.adapters_for(served, request.model, request.lora),
+            media=media,
         )
         stream = await self.submit(served, generation, streaming=request.stream)
         if request.stream:
@@ -242,7 +250,7 @@ class OpenAIServingChat(OpenAIServing):
         """The length of the prompt `request` renders to, tools and reasoning switches included."""
         served = await self.served_model(request.model, request.keep_alive)
         tool_parser = self._tool_parser(served.runtime, request)
-        _, tokens = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        _, tokens, _ = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
         return len(tokens)
 
     # ------------------------------------------------------------------ prompt
@@ -300,14 +308,15 @@ class OpenAIServingChat(OpenAIServing):
         return bool(self._thinking_kwargs(request).get("enable_thinking"))
 
     def _prompt(self, served: ServedModel, request: ChatCompletionRequest,
-                tool_parser: ToolParser | None) -> tuple[str, list[int]]:
-        """The rendered prompt and its tokens (in the prompt pool). Control-token text in the
-        messages and tools stays plain text; the template's own markup is parsed."""
+                tool_parser: ToolParser | None) -> tuple[str, list[int], tuple[MediaSpan, ...]]:
+        """The rendered prompt, its tokens and its images (in the prompt pool). Control-token
+        text in the messages and tools stays plain text; the template's own markup is parsed."""
         runtime = served.runtime
         tokenizer = runtime.tokenizer
         escaper = ControlTextEscaper(tokenizer.control_texts)
         tools_as_text = isinstance(runtime.tool_parser, FallbackToolParser)
-        messages = template_messages(request.messages, tools_as_text=tools_as_text)
+        images = self.prompt_images(served)
+        messages = template_messages(request.messages, tools_as_text=tools_as_text, images=images)
         self.check_prompt_length(served, sum(len(message["content"] or "") for message in messages))
         template_tools = None
         if tool_parser is not None:
@@ -334,10 +343,18 @@ class OpenAIServingChat(OpenAIServing):
         except ChatTemplateError as exc:
             raise bad_request(str(exc)) from exc
         self.check_prompt_text(served, prompt)
-        tokens = escaper.tokenize(prompt, lambda text, first: tokenizer.tokenize_prompt(text, first=first),
-                                  tokenizer.tokenize_plain)
+
+        def tokenize_text(text: str, first: bool) -> list[int]:
+            return escaper.tokenize(text, lambda markup, opens: tokenizer.tokenize_prompt(markup, first=opens and first),
+                                    tokenizer.tokenize_plain)
+
+        media: tuple[MediaSpan, ...] = ()
+        if images.urls:
+            tokens, media = self.media_prompt(served, prompt, images, tokenize_text)
+        else:
+            tokens = tokenize_text(prompt, True)
         self.check_prompt_tokens(served, tokens)
-        return escaper.unescape(prompt), tokens
+        return escaper.unescape(prompt), tokens, media
 
     @staticmethod
     def _functions(request: ChatCompletionRequest) -> list[ToolFunction]:

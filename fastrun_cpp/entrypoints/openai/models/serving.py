@@ -357,6 +357,8 @@ def model_card(model: ServedModel) -> ModelCard:
         capabilities.append("reasoning")
     if info.embedding_dimensions is not None:
         capabilities.append("embeddings")
+    if info.vision:
+        capabilities.append("vision")
     if info.rerank_template is not None:
         capabilities = ["rerank"]  # a reranker's head scores pairs; it writes no text
     return ModelCard(id=model.id, created=model.created, max_model_len=info.max_context,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from fastrun_cpp.chat.escape import ControlTextEscaper
 from fastrun_cpp.entrypoints.openai.errors import bad_request
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 from fastrun_cpp.entrypoints.openai.protocol import random_id
@@ -42,8 +43,11 @@ class OpenAIServingRerank(OpenAIServing):
                               usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens))
 
     def _tokenize_pairs(self, served: ServedModel, request: RerankRequest) -> list[list[int]]:
-        """Each document's prompt with the query, as tokens (in the prompt pool). The template's
-        own markup is parsed for control tokens; the query and documents never are."""
+        """Each document's prompt with the query, as tokens (in the prompt pool). The filled
+        template is tokenized whole, as the model's own tokenizer and llama-server tokenize it
+        (a word after "<Query>: " is one token, not a space and a word); the template's markup
+        is parsed for control tokens, while control-token text in the query or a document stays
+        plain text (llama-server parses it)."""
         tokenizer = served.runtime.tokenizer
         template = served.runtime.info.rerank_template
         max_tokens = served.runtime.info.max_context
@@ -51,30 +55,28 @@ class OpenAIServingRerank(OpenAIServing):
         if len(request.query) > longest:
             raise bad_request(f"query: {len(request.query)} characters, over the model's {max_tokens}-token context "
                               "window")
-        query = tokenizer.tokenize_plain(request.query)
-        if template:
-            pieces = _PLACEHOLDER.split(template)  # text, name, text, name, ... text
-            head = tokenizer.tokenize(pieces[0], add_special=True, parse_special=True)
-        else:
-            pieces, head = [], []
+        escaper = ControlTextEscaper(tokenizer.control_texts)
+        pieces = _PLACEHOLDER.split(template) if template else []  # text, name, text, name, ... text
+        query = escaper.escape(request.query)
         inputs = []
         for index, document in enumerate(request.documents):
             text = document_text(document)
             if len(text) > longest:
                 raise bad_request(f"documents[{index}]: {len(text)} characters, over the model's {max_tokens}-token "
                                   "context window")
-            tokens = tokenizer.tokenize_plain(text)
             if request.max_tokens_per_doc is not None:
-                tokens = tokens[: request.max_tokens_per_doc]
+                tokens = tokenizer.tokenize_plain(text)
+                if len(tokens) > request.max_tokens_per_doc:
+                    text = tokenizer.detokenize(tokens[: request.max_tokens_per_doc])
             if template:
-                prompt = list(head)
-                for position in range(1, len(pieces), 2):
-                    prompt += query if pieces[position] == "query" else tokens
-                    if pieces[position + 1]:
-                        prompt += tokenizer.tokenize(pieces[position + 1], add_special=False, parse_special=True)
+                filled = "".join(piece if position % 2 == 0 else (query if piece == "query" else escaper.escape(text))
+                                 for position, piece in enumerate(pieces))
+                prompt = escaper.tokenize(
+                    filled, lambda markup, first: tokenizer.tokenize(markup, add_special=first, parse_special=True),
+                    tokenizer.tokenize_plain)
             else:  # llama-server's pairing: [BOS] query [EOS] document [EOS]
-                prompt = tokenizer.tokenize("", add_special=True) + query + [tokenizer.eos_token_id] + tokens + [
-                    tokenizer.eos_token_id]
+                prompt = tokenizer.tokenize("", add_special=True) + tokenizer.tokenize_plain(request.query) + [
+                    tokenizer.eos_token_id] + tokenizer.tokenize_plain(text) + [tokenizer.eos_token_id]
             if len(prompt) > max_tokens:
                 raise bad_request(f"documents[{index}]: with the query, {len(prompt)} tokens, over the model's "
                                   f"{max_tokens}-token context window (--ctx-size; max_tokens_per_doc cuts documents)")

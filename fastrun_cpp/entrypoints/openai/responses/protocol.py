@@ -36,30 +36,55 @@ class InputTextPart(RequestModel):
         return self.text if self.text is not None else self.refusal or ""
 
 
-def _text_parts_only(parts: Any) -> Any:
+class InputImagePart(RequestModel):
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data URI (or base64)
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None  # accepted; the projector sets the size
+
+    @model_validator(mode="after")
+    def _has_image(self) -> InputImagePart:
+        if self.image_url is None:
+            raise ValueError("an input_image part needs image_url (a data URI); file_id images are not read yet")
+        return self
+
+
+InputPart = Annotated[Union[Annotated[InputTextPart, Tag("text")], Annotated[InputImagePart, Tag("image")]],
+                      Discriminator(lambda part: "image" if (part.get("type") if isinstance(part, dict) else part.type)
+                                    == "input_image" else "text")]
+
+
+def _chat_content(parts: str | list[Any]) -> str | list[dict[str, Any]]:
+    """Input parts as chat content: their text joined, or - with images - chat parts in order."""
+    if isinstance(parts, str):
+        return parts
+    if not any(isinstance(part, InputImagePart) for part in parts):
+        return "".join(part.value for part in parts)
+    return [{"type": "image_url", "image_url": {"url": part.image_url}} if isinstance(part, InputImagePart)
+            else {"type": "text", "text": part.value} for part in parts]
+
+
+def _text_and_image_parts(parts: Any) -> Any:
     if isinstance(parts, list):
         for index, part in enumerate(parts):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text", "refusal"):
-                raise ValueError(f"content part {index} has type {kind!r}; only text parts are supported "
-                                 "(fastrun serves text only)")
+            if kind not in ("input_text", "output_text", "text", "refusal", "input_image"):
+                raise ValueError(f"content part {index} has type {kind!r}; supported: input_text, input_image")
     return parts
 
 
 class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputTextPart]
+    content: str | list[InputPart]
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        return _text_parts_only(value)
+    def _text_and_images(cls, value: Any) -> Any:
+        return _text_and_image_parts(value)
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.value for part in self.content)
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        return _chat_content(self.content)
 
 
 class FunctionCallItem(RequestModel):
@@ -79,16 +104,16 @@ class CustomToolCallItem(RequestModel):
 
 
 def _tool_output_parts(parts: Any) -> Any:
-    """A tool's output parts with those this server cannot read (an image a tool returned)
-    spelled as a note."""
+    """A tool's output parts, with those this server cannot read (a file, audio) spelled as a
+    note."""
     if not isinstance(parts, list):
         return parts
     out = []
     for index, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "input_file", "input_audio", "encrypted_content"):
+        if kind in ("input_file", "input_audio", "encrypted_content"):
             out.append({"type": "input_text", "text": f"[{kind.removeprefix('input_')} not shown]"})
-        elif kind in ("input_text", "output_text", "text", "refusal"):
+        elif kind in ("input_text", "output_text", "text", "refusal", "input_image"):
             out.append(part)
         else:
             raise ValueError(f"output part {index} has type {kind!r}; supported: input_text, input_image, "
@@ -99,17 +124,15 @@ def _tool_output_parts(parts: Any) -> Any:
 class ToolOutputItem(RequestModel):
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
-    output: str | list[InputTextPart]
+    output: str | list[InputPart]
 
     @field_validator("output", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
+    def _readable_parts(cls, value: Any) -> Any:
         return _tool_output_parts(value)
 
-    def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.value for part in self.output)
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        return _chat_content(self.output)
 
 
 class ReasoningInputItem(RequestModel):

@@ -163,7 +163,7 @@ def conversation_items(request: ResponsesRequest, seal: ReasoningSeal, account: 
     items = []
     for item in request.input:
         if isinstance(item, MessageItem):
-            items.append({"type": "message", "role": item.role, "content": item.text()})
+            items.append({"type": "message", "role": item.role, "content": item.chat_content()})
         elif isinstance(item, FunctionCallItem):
             items.append({"type": "function_call", "call_id": item.call_id, "name": item.name,
                           "arguments": item.arguments, "namespace": item.namespace})
@@ -171,7 +171,7 @@ def conversation_items(request: ResponsesRequest, seal: ReasoningSeal, account: 
             items.append({"type": "custom_tool_call", "call_id": item.call_id, "name": item.name,
                           "input": item.input, "namespace": item.namespace})
         elif isinstance(item, ToolOutputItem):
-            items.append({"type": "function_call_output", "call_id": item.call_id, "output": item.text()})
+            items.append({"type": "function_call_output", "call_id": item.call_id, "output": item.chat_content()})
         elif isinstance(item, ReasoningInputItem) and item.encrypted_content:
             text = seal.open(account, item.encrypted_content)
             if text:

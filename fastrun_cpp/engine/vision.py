@@ -1,0 +1,125 @@
+"""A vision projector (an mmproj GGUF) beside a loaded text model, through llama.cpp's libmtmd:
+an image becomes the text tokens that frame it (Gemma 3's `<start_of_image>` ... ) and rows of
+input embeddings, which the engine decodes in the image's place (engine/step.py).
+
+Encoding runs the projector's vision encoder: the costly part, done here on the caller's
+thread (a worker, never the scheduler's), one image at a time per projector, and kept by the
+image's digest so the same picture is encoded once while it stays in the cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp.mtmd_cpp as mtmd
+
+from fastrun_cpp.engine.backend import route_logs
+from fastrun_cpp.engine.errors import ModelLoadError
+from fastrun_cpp.engine.model import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+ENCODED_CACHE_BYTES = 256 * 2**20  # encoded images kept for reuse, by digest
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    before: list[int]  # text tokens the projector puts before the image (its opening markup)
+    length: int  # the image's tokens, one embedding row each
+    after: list[int]  # and after it
+    embeddings: bytes  # float32, length x the text model's input width
+    non_causal: bool  # its rows attend to each other both ways
+
+
+class Projector:
+    """One mmproj file loaded for one text model."""
+
+    def __init__(self, path: Path, model: LlamaModel, *, threads: int, use_gpu: bool = False) -> None:
+        self.path = Path(path)
+        route_logs(mtmd.mtmd_log_set)
+        route_logs(mtmd.mtmd_helper_log_set)
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.n_threads = threads
+        params.print_timings = False
+        params.warmup = False
+        self._ctx = mtmd.mtmd_init_from_file(str(self.path).encode(), model.handle, params)
+        if not self._ctx:
+            raise ModelLoadError(f"{self.path}: llama.cpp's mtmd could not load this projector for {model.path.name} "
+                                 "(not an mmproj GGUF, or made for another model)")
+        if mtmd.mtmd_decode_use_mrope(self._ctx):
+            self.close()
+            raise ModelLoadError(f"{self.path}: projectors with M-RoPE positions (Qwen2-VL and its kind) are not "
+                                 "served yet")
+        self.vision = bool(mtmd.mtmd_support_vision(self._ctx))
+        self.audio = bool(mtmd.mtmd_support_audio(self._ctx))
+        self._width = model.n_embd_inp
+        self._lock = threading.Lock()
+        self._encoded: OrderedDict[bytes, EncodedImage] = OrderedDict()
+        self._encoded_bytes = 0
+        self.encodes = 0  # images run through the encoder (not served from what it kept)
+
+    def close(self) -> None:
+        if self._ctx:
+            mtmd.mtmd_free(self._ctx)
+            self._ctx = None
+
+    def encode(self, width: int, height: int, rgb: bytes, digest: bytes) -> EncodedImage:
+        """The image's framing tokens and embeddings (`rgb`: width x height x 3 bytes, checked
+        and decoded by the caller)."""
+        with self._lock:
+            if (kept := self._encoded.get(digest)) is not None:
+                self._encoded.move_to_end(digest)
+                return kept
+            encoded = self._encode(width, height, rgb)
+            self.encodes += 1
+            self._encoded[digest] = encoded
+            self._encoded_bytes += len(encoded.embeddings)
+            while self._encoded_bytes > ENCODED_CACHE_BYTES and len(self._encoded) > 1:
+                _, dropped = self._encoded.popitem(last=False)
+                self._encoded_bytes -= len(dropped.embeddings)
+            return encoded
+
+    def _encode(self, width: int, height: int, rgb: bytes) -> EncodedImage:
+        data = (ctypes.c_uint8 * len(rgb)).from_buffer_copy(rgb)
+        bitmap = mtmd.mtmd_bitmap_init(width, height, data)
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            marker = mtmd.mtmd_default_marker()
+            text = mtmd.mtmd_input_text(text=marker, text_len=len(marker), add_special=False, parse_special=True)
+            bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            if mtmd.mtmd_tokenize(self._ctx, chunks, ctypes.byref(text), bitmaps, 1) != 0:
+                raise ValueError("the projector could not take this image")
+            before: list[int] = []
+            after: list[int] = []
+            image = None
+            for index in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, index)
+                kind = mtmd.mtmd_input_chunk_get_type(chunk)
+                if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    count = ctypes.c_size_t()
+                    tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+                    (after if image is not None else before).extend(tokens[i] for i in range(count.value))
+                elif kind == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE and image is None:
+                    image = chunk
+                else:
+                    raise ValueError("the projector split this image in a way not served yet")
+            if image is None:
+                raise ValueError("the projector gave no image tokens")
+            length = mtmd.mtmd_input_chunk_get_n_tokens(image)
+            if mtmd.mtmd_input_chunk_get_n_pos(image) != length:
+                raise ValueError("the projector's image positions are not one a token")
+            if mtmd.mtmd_encode_chunk(self._ctx, image) != 0:
+                raise ValueError("the projector could not encode this image")
+            rows = mtmd.mtmd_get_output_embd(self._ctx)
+            embeddings = ctypes.string_at(rows, length * self._width * 4)
+            return EncodedImage(before, length, after, embeddings,
+                                bool(mtmd.mtmd_decode_use_non_causal(self._ctx, image)))
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            mtmd.mtmd_bitmap_free(bitmap)

@@ -1,0 +1,232 @@
+"""Images in, on real inference: Gemma 3 270M with a random-weight Gemma 3 projector written by
+`python -m fastrun_cpp.tiny_projector` (llama.cpp's mtmd frames and encodes each image). Random
+weights: the answers mean nothing, but an image must reach the model (another image, another
+answer), be keyed by its pixels in every cache tier (the same image, a prefix hit, answered
+exactly as cold), and every hostile image must be a 400 before llama.cpp sees it."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import struct
+import subprocess
+import sys
+import zlib
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from fastrun_cpp.tiny_projector import n_image_tokens
+from tests.server import run_server
+
+MODEL = "gemma-3-270m-q4_k_m"
+IMAGE_TOKENS = n_image_tokens(224, 14)  # the tiny projector's 224-pixel input, 14-pixel patches, pooled 4x4
+
+
+def picture(shift: int, width: int = 64, height: int = 48) -> np.ndarray:
+    y, x = np.mgrid[0:height, 0:width]
+    return np.stack([(x * 4 + shift) % 256, (y * 5 + 2 * shift) % 256, ((x + y) * 3 + shift) % 256],
+                    axis=-1).astype(np.uint8)
+
+
+def encoded(pixels: np.ndarray, fmt: str = "PNG", **options) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt, **options)
+    return out.getvalue()
+
+
+def data_uri(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+PNG_0 = data_uri(encoded(picture(0)))
+PNG_77 = data_uri(encoded(picture(77)))
+
+
+@pytest.fixture(scope="module")
+def projector(gemma_path, tmp_path_factory):
+    """The generator as anyone runs it."""
+    out = tmp_path_factory.mktemp("mmproj") / "tiny-gemma3-mmproj.gguf"
+    subprocess.run([sys.executable, "-m", "fastrun_cpp.tiny_projector", str(out), "--text-model", str(gemma_path)],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vision-prompt-cache")
+
+
+def vision_server(gemma_path, projector, cache_dir, log_dir):
+    return run_server("--model", str(gemma_path), "--mmproj", str(projector), "--slots", "2", "--ctx-size", "1024",
+                      log_dir=log_dir, env={"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}, startup_timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(gemma_path, projector, cache_dir, tmp_path_factory):
+    with vision_server(gemma_path, projector, cache_dir, tmp_path_factory.mktemp("vision")) as running:
+        yield running
+
+
+def ask(server, *images: str, text: str = "What is in this picture?", model: str = MODEL, **extra) -> httpx.Response:
+    content = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": url}} for url in images)]
+    return httpx.post(f"{server.base_url}/chat/completions", json={
+        "model": model, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+        "messages": [{"role": "user", "content": content}], **extra}, timeout=600)
+
+
+def answer_of(response: httpx.Response) -> tuple[str, list]:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["message"]["content"], choice["logprobs"]["content"]
+
+
+def test_the_model_lists_vision(server):
+    card = httpx.get(f"{server.base_url}/models/{MODEL}", timeout=30).json()
+    assert "vision" in card["capabilities"]
+
+
+def test_an_image_reaches_the_model_and_counts_its_tokens(server):
+    with_image = ask(server, PNG_0)
+    text_only = httpx.post(f"{server.base_url}/chat/completions", json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "What is in this picture?\n"}]},
+        timeout=600)
+    # mtmd's count for the image, and its <start_of_image> and <end_of_image> around it.
+    assert (with_image.json()["usage"]["prompt_tokens"] - text_only.json()["usage"]["prompt_tokens"]
+            == IMAGE_TOKENS + 2)
+    other = ask(server, PNG_77)
+    assert answer_of(other)[1][0]["top_logprobs"] != answer_of(with_image)[1][0]["top_logprobs"]
+
+
+def test_the_same_image_is_a_prefix_hit_answered_exactly_as_cold(server):
+    """Another file of the same pixels (a JPEG of lossless quality is not; a PNG re-encoded with
+    other settings is) is the same image to the cache."""
+    text = "Describe the colours."
+    cold = ask(server, PNG_0, text=text)
+    again = ask(server, data_uri(encoded(picture(0), "PNG", compress_level=1)), text=text)
+    assert answer_of(again) == answer_of(cold)
+    usage = again.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+
+
+def test_an_image_answers_alone_as_beside_another_stream(server):
+    text = "Alone or not?"
+    alone = answer_of(ask(server, PNG_77, text=text))
+    with httpx.Client(timeout=600) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with client.stream("POST", f"{server.base_url}/completions", json={
+                "model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 200, "ignore_eos": True, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # the other stream is decoding
+            beside = pool.submit(lambda: answer_of(ask(server, PNG_77, text=text))).result()
+            for _ in lines:
+                pass
+    assert beside == alone
+
+
+def test_sdks_send_images_on_chat_messages_and_responses(server):
+    """OpenAI's SDK (chat and Responses, input_image) and Anthropic's (an image block, and one
+    inside a tool_result, as Claude Code's Read tool returns a PNG) get answers about it."""
+    png = base64.b64encode(encoded(picture(5))).decode()
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+    chat = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}", "detail": "low"}}]}])
+    responses = client.responses.create(model=MODEL, max_output_tokens=4, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": f"data:image/png;base64,{png}", "detail": "auto"}]}])
+    messages = anthropic.Anthropic(base_url=server.root_url, api_key="unused").messages.create(
+        model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Read shot.png"}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
+                                               "input": {"file_path": "shot.png"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}]}],
+        tools=[{"name": "Read", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}])
+    for prompt_tokens in (chat.usage.prompt_tokens, responses.usage.input_tokens, messages.usage.input_tokens):
+        assert prompt_tokens > IMAGE_TOKENS
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels, with a few bytes of data: a
+    decompression bomb's shape, which must be refused from the header alone."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+            + chunk(b"IEND", b""))
+
+
+def animated_gif() -> bytes:
+    frames = [Image.fromarray(picture(shift, 16, 16)) for shift in (0, 50)]
+    out = io.BytesIO()
+    frames[0].save(out, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return out.getvalue()
+
+
+NOISE = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)  # compresses badly
+TRUNCATED = encoded(NOISE)[: len(encoded(NOISE)) // 2]
+HOSTILE = [
+    ([PNG_0[:40] + "!!!not base64!!!"], "base64"),
+    ([data_uri(encoded(picture(0), "JPEG"), "image/png")], "image/png"),  # a JPEG that says it is a PNG
+    ([data_uri(encoded(picture(0)), "image/svg+xml")], "image/svg+xml"),
+    ([data_uri(b"GIF89a" + b"\x00" * 40, "image/gif")], "can read"),  # a header and nothing behind it
+    ([data_uri(TRUNCATED)], "could not be decoded"),
+    ([data_uri(png_claiming(100_000, 100_000))], "--limit-image-pixels"),
+    ([data_uri(png_claiming(9_000, 8_000))], "--limit-image-pixels"),
+    ([data_uri(animated_gif(), "image/gif")], "frames"),
+    (["https://example.com/cat.png"], "not fetched"),
+    ([data_uri(encoded(picture(0, 4, 4)))] * 101, "--limit-images"),
+]
+
+
+@pytest.mark.parametrize("images, named", HOSTILE)
+def test_hostile_images_are_400s_that_say_why(server, images, named):
+    response = ask(server, *images)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and named in error["message"], error
+
+
+def test_hostile_images_are_refused_in_the_anthropic_shape(server):
+    response = httpx.post(f"{server.root_url}/v1/messages", json={
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png_claiming(100_000, 100_000)).decode()}}]}]},
+        timeout=60)
+    assert response.status_code == 400 and response.json()["type"] == "error"
+    assert "--limit-image-pixels" in response.json()["error"]["message"]
+
+
+def test_a_model_without_a_projector_refuses_images_and_notes_a_tools(tmp_path):
+    """A user's image to a text model is a 400 that says how to serve a projector; an image a
+    tool returned (an agent's screenshot) is a note, so the agent's turn goes on."""
+    with run_server("--slots", "1", "--ctx-size", "512", log_dir=tmp_path) as text_model:
+        model = httpx.get(f"{text_model.base_url}/models", timeout=30).json()["data"][0]["id"]
+        refused = ask(text_model, PNG_0, model=model)
+        assert refused.status_code == 400 and "--mmproj" in refused.json()["error"]["message"]
+        noted = httpx.post(f"{text_model.base_url}/chat/completions", json={"model": model, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "Look at the screenshot."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "image_url", "image_url": {"url": PNG_0}}]}]},
+            timeout=120)
+        assert noted.status_code == 200, noted.text
+
+
+def test_an_image_prompt_is_a_disk_hit_after_a_restart(gemma_path, projector, cache_dir, server, tmp_path):
+    """Last of the module's server: stopped, its slots go to the disk tier; a new server on
+    the same cache answers the same image prompt from there, exactly as before."""
+    text = "After a restart?"
+    before = ask(server, PNG_77, text=text)
+    server.process.terminate()
+    assert server.process.wait(timeout=90) == 0
+    with vision_server(gemma_path, projector, cache_dir, tmp_path) as restarted:
+        after = ask(restarted, PNG_77, text=text)
+    assert answer_of(after) == answer_of(before)
+    usage = after.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
