@@ -77,10 +77,44 @@ def shard_names(filename: str) -> list[str]:
     return [f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
+def is_projector(name: str) -> bool:
+    """A vision projector (mmproj) GGUF, by llama.cpp's naming: not a model of its own."""
+    return name.endswith(".gguf") and name.rsplit("/", 1)[-1].lower().startswith("mmproj")
+
+
 def gguf_models(files: Iterable[str]) -> list[str]:
-    """The GGUF models among `files`, sorted: each plain GGUF, and the first shard of each sharded one."""
-    return sorted(f for f in files
-                  if f.endswith(".gguf") and (not _SHARD.match(f) or _SHARD.match(f)["index"] == "00001"))
+    """The GGUF models among `files`, sorted: each plain GGUF, and the first shard of each sharded
+    one; projectors (mmproj*.gguf) are not models."""
+    return sorted(f for f in files if f.endswith(".gguf") and not is_projector(f)
+                  and (not _SHARD.match(f) or _SHARD.match(f)["index"] == "00001"))
+
+
+# Of several projectors in a repository, the first kind found wins: the precision they were
+# trained in first (llama.cpp's converters write f16 by default), quantized ones last.
+_PROJECTOR_KINDS = ("f16", "bf16", "f32", "q8_0")
+
+
+def choose_projector(files: Iterable[str]) -> str | None:
+    """The vision projector among a repository's files (None: it has none)."""
+    projectors = sorted(f for f in files if is_projector(f))
+    for kind in _PROJECTOR_KINDS:
+        for name in projectors:
+            if kind in re.split(r"[-_.]", name.rsplit("/", 1)[-1].lower()):
+                return name
+    return projectors[0] if projectors else None
+
+
+def pull_projector(repo: str, *, revision: str | None = None) -> Path | None:
+    """The vision projector a model's repository holds, pulled (or found in the cache), as
+    llama-server's -hf does; None when it holds none. Without the network, the cached
+    snapshot's files are what the repository holds."""
+    try:
+        files = HfApi().list_repo_files(repo, revision=revision)
+    except Exception:  # noqa: BLE001 - offline mode, no network, an HTTP error: the types move between versions
+        snapshot = _main_snapshot(repo)
+        files = [path.name for path in snapshot.iterdir()] if snapshot is not None else []
+    name = choose_projector(files)
+    return pull(repo, name, revision=revision) if name is not None else None
 
 
 def choose_gguf(files: list[str], repo: str) -> str:

@@ -174,6 +174,9 @@ class ModelConfig(StrictModel):
     mmproj: Path | None = Field(None, description=(
         "A vision projector GGUF (mmproj) for this model, as llama-server's --mmproj: requests may then send "
         "images (capabilities vision)."))
+    mmproj_auto: bool = Field(True, description=(
+        "Pull and use the vision projector (mmproj*.gguf) a Hub model's repository holds, as llama-server's -hf "
+        "does (--no-mmproj-auto: serve the model for text only)."))
     rerank: bool = Field(False, description="Serve /v1/rerank from this model: a reranker GGUF (rank pooling and "
                          "a classifier head, as Qwen3-Reranker or bge-reranker). On by itself for a GGUF that "
                          "declares rank pooling.")
@@ -248,6 +251,17 @@ class ModelConfig(StrictModel):
         return embedded_model_path()
 
 
+    def resolve_mmproj(self) -> Path | None:
+        """The vision projector's GGUF: the one given, or the one the model's Hub repository
+        holds (pulled first; blocking), or None."""
+        if self.mmproj is not None:
+            return self.mmproj.expanduser().resolve()
+        if self.hub is None or not self.mmproj_auto:
+            return None
+        from fastrun_cpp.hub import pull_projector
+
+        return pull_projector(self.hub.repo, revision=self.hub.revision)
+
     def resolve_draft_path(self) -> Path:
         """The draft model's GGUF (a path, or a Hub file pulled first; blocking)."""
         if self.draft_model is None:
@@ -298,7 +312,7 @@ MODEL_OVERRIDES = ("slots", "adapt_threads", "stream_interval_ms", "ctx_size", "
                    "cache_type_k", "cache_type_v",
                    "max_queue", "queue_policy", "rope_scaling", "swa_full", "deterministic", "spec_type", "spec_draft_max", "spec_draft_min",
                    "draft_model", "chat_template_file", "tool_parser", "reasoning_parser", "embeddings",
-                   "embedding_pooling", "rerank", "mmproj")
+                   "embedding_pooling", "rerank", "mmproj", "mmproj_auto")
 
 
 def _overrides(settings) -> dict:

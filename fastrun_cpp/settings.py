@@ -98,6 +98,7 @@ class Settings(BaseSettings):
     embedding_pooling: Literal["mean", "cls", "last"] | None = _model_field("embedding_pooling")
     rerank: bool | None = _model_field("rerank")
     mmproj: Path | None = _model_field("mmproj")
+    mmproj_auto: bool | None = _model_field("mmproj_auto")
     lora: list[str] | None = Field(None, description=(
         "A LoRA adapter of the model, NAME=PATH[:SCALE] (scale 1 unless given); repeat for several. Each is "
         "served as the model <id>:<NAME> and may be named in a request's lora list."))

@@ -135,7 +135,7 @@ def test_the_model_lists_rerank_and_nothing_it_cannot_do(reranker):
 
 
 @pytest.mark.parametrize("body, named", [
-    ({"documents": ["a"] * 1001}, "limit-rerank-documents"),
+    ({"documents": ["a"] * 10_000}, "limit-rerank-documents"),
     ({"documents": ["word " * 600]}, "context window"),
     ({"documents": []}, "documents"),
     ({"documents": ["a"], "top_n": 0}, "top_n"),

@@ -218,6 +218,34 @@ def test_a_model_without_a_projector_refuses_images_and_notes_a_tools(tmp_path):
         assert noted.status_code == 200, noted.text
 
 
+def test_a_hub_model_comes_with_the_projector_its_repository_holds(gemma_path, projector, tmp_path):
+    """As llama-server's -hf: the repository's mmproj is pulled beside the model (the f16 one of
+    several), is not a model itself, and --no-mmproj-auto leaves it."""
+    import os
+
+    from fastrun_cpp.hub import choose_gguf, choose_projector
+    from tests.fake_hub import fake_hub
+
+    files = ["gemma-3-270m-Q4_K_M.gguf", "mmproj-gemma-3-270m-Q8_0.gguf", "mmproj-gemma-3-270m-F16.gguf", "README.md"]
+    assert choose_gguf(files, "x/y") == "gemma-3-270m-Q4_K_M.gguf"
+    assert choose_projector(files) == "mmproj-gemma-3-270m-F16.gguf"
+    repo = "fastrun-test/gemma-vision-GGUF"
+    with fake_hub(tmp_path / "hub") as hub:
+        hub.add(repo, files[0], gemma_path)
+        hub.add(repo, files[1], projector)
+        hub.add(repo, files[2], projector)
+        env = {k: "" for k in os.environ if k.startswith("HF_")}
+        env.update({"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"})
+        for auto, sees in ((("--mmproj-auto",), True), (("--no-mmproj-auto",), False)):
+            with run_server("--model", repo, "--slots", "1", "--ctx-size", "512", *auto, log_dir=tmp_path, env=env,
+                            startup_timeout=180) as served:
+                card = httpx.get(f"{served.base_url}/models", timeout=30).json()["data"][0]
+                assert ("vision" in card["capabilities"]) is sees
+                if sees:
+                    assert answer_of(ask(served, PNG_0, model=card["id"]))
+        assert hub.gets(files[2]) == [None] and hub.gets(files[1]) == []
+
+
 def test_an_image_prompt_is_a_disk_hit_after_a_restart(gemma_path, projector, cache_dir, server, tmp_path):
     """Last of the module's server: stopped, its slots go to the disk tier; a new server on
     the same cache answers the same image prompt from there, exactly as before."""

@@ -2,13 +2,14 @@
 an image becomes the text tokens that frame it (Gemma 3's `<start_of_image>` ... ) and rows of
 input embeddings, which the engine decodes in the image's place (engine/step.py).
 
-Encoding runs the projector's vision encoder: the costly part, done here on the caller's
-thread (a worker, never the scheduler's), one image at a time per projector, and kept by the
+Encoding runs the projector's vision encoder: the costly part, done on a worker thread (never
+the scheduler's), one image at a time per projector with accounts taking turns, and kept by the
 image's digest so the same picture is encoded once while it stays in the cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import threading
@@ -21,6 +22,7 @@ import llama_cpp.mtmd_cpp as mtmd
 from fastrun_cpp.engine.backend import route_logs
 from fastrun_cpp.engine.errors import ModelLoadError
 from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.fair_turns import FairTurns
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ class Projector:
         self.vision = bool(mtmd.mtmd_support_vision(self._ctx))
         self.audio = bool(mtmd.mtmd_support_audio(self._ctx))
         self._width = model.n_embd_inp
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # mtmd's context is one thread's at a time
+        self._turns = FairTurns(1)
         self._encoded: OrderedDict[bytes, EncodedImage] = OrderedDict()
         self._encoded_bytes = 0
         self.encodes = 0  # images run through the encoder (not served from what it kept)
@@ -68,6 +71,17 @@ class Projector:
         if self._ctx:
             mtmd.mtmd_free(self._ctx)
             self._ctx = None
+
+    async def encode_in_turn(self, account: str, width: int, height: int, rgb: bytes, digest: bytes) -> EncodedImage:
+        """`encode`, on a worker thread, in `account`'s turn: encodes take turns by account
+        (fair_turns.py), and one whose caller left while it waited never runs. A kept image
+        needs no turn."""
+        with self._lock:
+            kept = self._encoded.get(digest)
+        if kept is not None:
+            return kept
+        async with self._turns.turn(account):
+            return await asyncio.to_thread(self.encode, width, height, rgb, digest)
 
     def encode(self, width: int, height: int, rgb: bytes, digest: bytes) -> EncodedImage:
         """The image's framing tokens and embeddings (`rgb`: width x height x 3 bytes, checked

@@ -329,7 +329,7 @@ def llama_cpp_build() -> dict[str, object] | None:
 
 
 def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaModel, path: Path,
-                   directory: Path | None) -> DiskPromptCache | None:
+                   directory: Path | None, mmproj: Path | None = None) -> DiskPromptCache | None:
     """The disk tier of the model's prompt cache, in a namespace of everything a saved state
     depends on: the model file, the KV layout and the llama.cpp build."""
     if directory is None or config.prompt_cache_disk_gib <= 0:
@@ -337,8 +337,7 @@ def disk_cache_for(config: ModelConfig, settings: EngineConfig, model: LlamaMode
     # A scaled RoPE writes other keys: such states live apart (and the unscaled ones where they were).
     scaled = {"rope": [settings.rope_scaling, settings.trained_ctx, settings.ctx_size]} if settings.rope_scaling else {}
     # An image's KV is keyed by its pixels; what they became is the projector's doing.
-    projected = {"mmproj": file_identity(config.mmproj.expanduser().resolve(), known=directory / IDENTITIES_FILE)
-                 } if config.mmproj else {}
+    projected = {"mmproj": file_identity(mmproj, known=directory / IDENTITIES_FILE)} if mmproj else {}
     namespace = namespace_of(
         model=file_identity(path, known=directory / IDENTITIES_FILE), n_swa=model.n_swa, swa_full=settings.swa_full,
         **scaled, **projected,
@@ -371,7 +370,8 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
                        "each slot's history: cache hits are not bit-exact (use --swa-full for that)", config.id)
     chat_template, tool_parser, reasoning_parser = chat_setup(config, model)
     grammars = GrammarCompiler(model, limits, isolated=True, hang_on_request=Faults.parse(faults_spec).grammar_hang)
-    disk = await asyncio.to_thread(disk_cache_for, config, settings, model, path, prompt_cache_dir)
+    mmproj = await asyncio.to_thread(config.resolve_mmproj)
+    disk = await asyncio.to_thread(disk_cache_for, config, settings, model, path, prompt_cache_dir, mmproj)
     draft = None
     if settings.speculation.kind == "draft":
         draft_path = await asyncio.to_thread(config.resolve_draft_path)
@@ -386,8 +386,8 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
     deterministic = is_deterministic(config)
     template = rerank_template(config, model)
     projector = None
-    if config.mmproj is not None:
-        projector = await asyncio.to_thread(Projector, config.mmproj.expanduser(), model, threads=threads,
+    if mmproj is not None:
+        projector = await asyncio.to_thread(Projector, mmproj, model, threads=threads,
                                             use_gpu=uses_gpu(config))
     info = ModelInfo(
         id=config.id, path=str(path), description=model.description, n_vocab=model.n_vocab,

@@ -44,7 +44,7 @@ from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, S
 from fastrun_cpp.entrypoints.request_context import current_record
 from fastrun_cpp.entrypoints.tenancy import LimitReached
 from fastrun_cpp.limits import Limits
-from fastrun_cpp.media import MediaError, decode_image, image_bytes
+from fastrun_cpp.media import DecodedImage, MediaError, decode_image, image_bytes
 from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.structured.builder import BuildError, GrammarBuilder
 from fastrun_cpp.structured.spec import GrammarSpec
@@ -90,6 +90,15 @@ class PromptImages:
             raise bad_request(f"over {self._limits.images} images in one request (limit --limit-images)")
         self.urls.append(url)
         return self.marker
+
+
+@dataclasses.dataclass
+class ImagePrompt:
+    """A prompt with images before they are encoded: the tokens of the text around them (one
+    list more than images) and the images, read and checked."""
+
+    texts: list[list[int]]
+    images: list[DecodedImage]
 
 
 def stop_sequences(stop: str | list[str] | None, served: ServedModel) -> tuple[str, ...]:
@@ -251,35 +260,48 @@ class OpenAIServing:
     def prompt_images(self, served: ServedModel) -> PromptImages:
         return PromptImages(served, self.limits)
 
-    def media_prompt(self, served: ServedModel, rendered: str, images: PromptImages,
-                     tokenize_text: Callable[[str, bool], list[int]]) -> tuple[list[int], tuple[MediaSpan, ...]]:
-        """The tokens of a rendered prompt with images (in the prompt pool): its text between
-        the markers by `tokenize_text(text, first)`, and each image as the projector frames it,
-        its tokens placeholders keyed by its pixels (engine/request.py) with its embeddings
-        beside them. Images are decoded and checked here, before the projector sees them, and
-        the prompt's length is checked after each, so no image past the context is encoded."""
-        urls = images.urls
+    def image_prompt(self, served: ServedModel, rendered: str, images: PromptImages,
+                     tokenize_text: Callable[[str, bool], list[int]]) -> ImagePrompt:
+        """A rendered prompt with images, made ready in the prompt pool: the tokens of its text
+        between the markers, by `tokenize_text(text, first)`, and each image read and checked
+        (media.py), before the projector sees it; `with_images` encodes them."""
         pieces = rendered.split(images.marker)
-        if len(pieces) != len(urls) + 1:
+        if len(pieces) != len(images.urls) + 1:
             raise bad_request("the chat template did not place every image of the messages in the prompt")
-        projector = served.runtime.projector
-        tokens = tokenize_text(pieces[0], True)
-        spans = []
-        for url, after in zip(urls, pieces[1:]):
+        decoded = []
+        for number, url in enumerate(images.urls, 1):
             try:
                 data, media_type = image_bytes(url)
-                image = decode_image(data, media_type, self.limits)
-                encoded = projector.encode(image.width, image.height, image.rgb, image.digest)
+                decoded.append(decode_image(data, media_type, self.limits))
             except MediaError as exc:
-                raise bad_request(f"image {len(spans) + 1}: {exc}") from exc
+                raise bad_request(f"image {number}: {exc}") from exc
+        return ImagePrompt([tokenize_text(piece, index == 0) for index, piece in enumerate(pieces)], decoded)
+
+    async def with_images(self, served: ServedModel,
+                          prompt: list[int] | ImagePrompt) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        """A prompt's tokens and its images: each image encoded by the model's projector, in the
+        account's turn (one encode at a time per model, accounts taking turns; one whose client
+        left while it waited is never encoded), framed as the projector frames it, its tokens
+        placeholders keyed by its pixels (engine/request.py). The prompt's length is checked
+        after each image, so no image past the context is encoded."""
+        if not isinstance(prompt, ImagePrompt):
+            return prompt, ()
+        projector = served.runtime.projector
+        account = current_account()
+        tokens = list(prompt.texts[0])
+        spans = []
+        for number, (image, after) in enumerate(zip(prompt.images, prompt.texts[1:]), 1):
+            try:
+                encoded = await projector.encode_in_turn(account, image.width, image.height, image.rgb, image.digest)
             except ValueError as exc:  # the projector's refusal
-                raise bad_request(f"image {len(spans) + 1}: {exc}") from exc
+                raise bad_request(f"image {number}: {exc}") from exc
             tokens += encoded.before
             spans.append(MediaSpan(len(tokens), encoded.length, encoded.embeddings, encoded.non_causal))
             tokens += media_placeholders(image.digest, encoded.length)
             tokens += encoded.after
             self.check_prompt_tokens(served, tokens)
-            tokens += tokenize_text(after, False)
+            tokens += after
+        self.check_prompt_tokens(served, tokens)
         return tokens, tuple(spans)
 
     def check_prompt_tokens(self, served: ServedModel, tokens: list[int]) -> None:

@@ -14,7 +14,6 @@ from typing import Any, AsyncIterator
 from fastrun_cpp.chat import ChatTemplateError
 from fastrun_cpp.chat.escape import ControlTextEscaper
 from fastrun_cpp.engine import FinishReason, GenerationOutput, GenerationRequest
-from fastrun_cpp.engine.request import MediaSpan
 from fastrun_cpp.engine.reasoning_budget import ReasoningBudget
 from fastrun_cpp.entrypoints.answer import (
     AnswerDelta,
@@ -45,6 +44,7 @@ from fastrun_cpp.entrypoints.openai.protocol import (
 )
 from fastrun_cpp.entrypoints.openai.serving_engine import (
     ChoiceCollector,
+    ImagePrompt,
     OpenAIServing,
     PromptImages,
     current_account,
@@ -214,7 +214,8 @@ class OpenAIServingChat(OpenAIServing):
         # A grammar from the first token leaves no room for reasoning; with thinking on, the
         # grammar waits for the reasoning to end.
         reasoning_parser = runtime.reasoning_parser if thinking or not constrained else None
-        prompt, prompt_tokens, media = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        prompt, prepared = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        prompt_tokens, media = await self.with_images(served, prepared)
         plan = _Plan(
             tool_parser=tool_parser,
             reasoning_parser=reasoning_parser,
@@ -250,7 +251,8 @@ class OpenAIServingChat(OpenAIServing):
         """The length of the prompt `request` renders to, tools and reasoning switches included."""
         served = await self.served_model(request.model, request.keep_alive)
         tool_parser = self._tool_parser(served.runtime, request)
-        _, tokens, _ = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        _, prepared = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        tokens, _ = await self.with_images(served, prepared)
         return len(tokens)
 
     # ------------------------------------------------------------------ prompt
@@ -308,9 +310,10 @@ class OpenAIServingChat(OpenAIServing):
         return bool(self._thinking_kwargs(request).get("enable_thinking"))
 
     def _prompt(self, served: ServedModel, request: ChatCompletionRequest,
-                tool_parser: ToolParser | None) -> tuple[str, list[int], tuple[MediaSpan, ...]]:
-        """The rendered prompt, its tokens and its images (in the prompt pool). Control-token
-        text in the messages and tools stays plain text; the template's own markup is parsed."""
+                tool_parser: ToolParser | None) -> tuple[str, list[int] | ImagePrompt]:
+        """The rendered prompt and its tokens, or with images its text's tokens and the images
+        read (in the prompt pool; `with_images` encodes them). Control-token text in the
+        messages and tools stays plain text; the template's own markup is parsed."""
         runtime = served.runtime
         tokenizer = runtime.tokenizer
         escaper = ControlTextEscaper(tokenizer.control_texts)
@@ -348,13 +351,11 @@ class OpenAIServingChat(OpenAIServing):
             return escaper.tokenize(text, lambda markup, opens: tokenizer.tokenize_prompt(markup, first=opens and first),
                                     tokenizer.tokenize_plain)
 
-        media: tuple[MediaSpan, ...] = ()
         if images.urls:
-            tokens, media = self.media_prompt(served, prompt, images, tokenize_text)
-        else:
-            tokens = tokenize_text(prompt, True)
+            return escaper.unescape(prompt), self.image_prompt(served, prompt, images, tokenize_text)
+        tokens = tokenize_text(prompt, True)
         self.check_prompt_tokens(served, tokens)
-        return escaper.unescape(prompt), tokens, media
+        return escaper.unescape(prompt), tokens
 
     @staticmethod
     def _functions(request: ChatCompletionRequest) -> list[ToolFunction]:
