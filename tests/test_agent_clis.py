@@ -17,6 +17,7 @@ ends (Ollama's `PARAMETER stop`) and samples greedily: each turn then gets an an
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -72,10 +73,12 @@ def access_log(server: RunningServer, since: int) -> list[dict]:
     return [entry for entry in entries if entry["path"] not in ("/ready", "/health")]
 
 
-def run_cli(server: RunningServer, command: list[str], env: dict[str, str], cwd: Path) -> tuple[str, Served]:
+def run_cli(server: RunningServer, command: list[str], env: dict[str, str], cwd: Path,
+            stdin: str | None = None) -> tuple[str, Served]:
     start = len(server.log().splitlines())
     result = subprocess.run(command, env={"PATH": os.environ["PATH"], **env}, cwd=cwd, capture_output=True,
-                            text=True, timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                            text=True, timeout=CLI_TIMEOUT_S, input=stdin,
+                            stdin=subprocess.DEVNULL if stdin is None else None)
     served = Served(access_log(server, start))
     if result.returncode != 0:
         pytest.fail(f"{command[:3]} exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
@@ -97,23 +100,34 @@ def assert_reuses(previous: Served, following: Served) -> None:
 
 
 class ClaudeCode:
-    def __init__(self, home: Path, server: RunningServer, key: str) -> None:
+    def __init__(self, home: Path, server: RunningServer, key: str, model: str = DEFAULT_MODEL) -> None:
         self.home, self.workdir = home / "claude-home", home / "claude-work"
         self.home.mkdir(parents=True, exist_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.server, self.key = server, key
+        self.server, self.key, self.model = server, key, model
 
-    def turn(self, prompt: str, *, resume: bool = False) -> tuple[dict, Served]:
+    def turn(self, prompt: str, *, resume: bool = False, image: bytes | None = None) -> tuple[dict, Served]:
+        """One headless turn; with `image` (a PNG), the prompt goes in as Claude Code's
+        stream-json input, a user message of the text and the image, as its SDK sends one."""
         env = {
             "HOME": str(self.home), "CLAUDE_CONFIG_DIR": str(self.home / ".claude"),
             "ANTHROPIC_BASE_URL": self.server.root_url, "ANTHROPIC_API_KEY": self.key,
-            "ANTHROPIC_MODEL": DEFAULT_MODEL,
+            "ANTHROPIC_MODEL": self.model,
             # docs/coding-agents.md's settings for a small context window.
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1000", "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "32768",
             "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
         }
-        command = [str(CLAUDE), "-p", *(["--continue"] if resume else []), prompt, "--output-format", "json"]
-        stdout, served = run_cli(self.server, command, env, self.workdir)
+        stdin = None
+        if image is None:
+            command = [str(CLAUDE), "-p", *(["--continue"] if resume else []), prompt, "--output-format", "json"]
+        else:
+            command = [str(CLAUDE), "-p", *(["--continue"] if resume else []), "--input-format", "stream-json",
+                       "--output-format", "stream-json", "--verbose"]
+            stdin = json.dumps({"type": "user", "message": {"role": "user", "content": [
+                {"type": "text", "text": prompt},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(image).decode()}}]}}) + "\n"
+        stdout, served = run_cli(self.server, command, env, self.workdir, stdin)
         result = json.loads(stdout.strip().splitlines()[-1])
         assert result["type"] == "result" and not result["is_error"], result
         assert isinstance(result["result"], str), result
@@ -124,16 +138,16 @@ class ClaudeCode:
 
 
 class Codex:
-    def __init__(self, home: Path, server: RunningServer, key: str) -> None:
+    def __init__(self, home: Path, server: RunningServer, key: str, model: str = DEFAULT_MODEL) -> None:
         self.home, self.workdir = home / "codex-home", home / "codex-work"
         self.home.mkdir(parents=True, exist_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.key = key
+        self.key, self.model = key, model
         self.point_at(server)
 
     def point_at(self, server: RunningServer) -> None:
         self.server = server
-        (self.home / "config.toml").write_text(f'''model = "{DEFAULT_MODEL}"
+        (self.home / "config.toml").write_text(f'''model = "{self.model}"
 model_provider = "fastrun"
 
 [model_providers.fastrun]
@@ -145,10 +159,12 @@ wire_api = "responses"
 ''')
         (self.home / "models_cache.json").unlink(missing_ok=True)
 
-    def turn(self, prompt: str, *, resume: bool = False) -> tuple[list[dict], Served]:
+    def turn(self, prompt: str, *, resume: bool = False, images: tuple[Path, ...] = ()) -> tuple[list[dict], Served]:
+        """One headless turn; `images` are attached to the prompt (codex exec -i)."""
         env = {"HOME": str(self.home), "CODEX_HOME": str(self.home), "FASTRUN_API_KEY": self.key}
-        command = [str(CODEX), "exec", *(["resume", "--last"] if resume else []), "--skip-git-repo-check", "--json",
-                   prompt]
+        attached = [argument for image in images for argument in ("-i", str(image))]
+        command = [str(CODEX), "exec", *(["resume", "--last"] if resume else []), *attached, "--skip-git-repo-check",
+                   "--json", prompt]
         stdout, served = run_cli(self.server, command, env, self.workdir)
         events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
         kinds = [event["type"] for event in events]

@@ -246,6 +246,44 @@ def test_a_hub_model_comes_with_the_projector_its_repository_holds(gemma_path, p
         assert hub.gets(files[2]) == [None] and hub.gets(files[1]) == []
 
 
+@pytest.mark.timeout(1800)
+def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, projector, tmp_path):
+    """The CLIs from npm, headless, each sending a PNG its own way: Claude Code a user message
+    with an image block (its stream-json input, as its SDK sends one), Codex `exec -i`. Every
+    request they make is a 2xx, and the image reaches the model: the turn's prompt holds the
+    image's tokens beyond the same turn without it. docs/coding-agents.md's registry for a
+    small model (a 32k context, answers that end at a line's end)."""
+    from tests.test_agent_clis import ClaudeCode, Codex
+
+    registry = tmp_path / "vision-agents.toml"
+    registry.write_text(f"""
+[[models]]
+id = "{MODEL}"
+path = "{gemma_path}"
+mmproj = "{projector}"
+slots = 2
+ctx_size = 32768
+[models.defaults]
+max_tokens = 200
+temperature = 0
+stop = ["\\n"]
+""")
+    png = encoded(picture(9, 320, 240))
+    with run_server("--models-file", str(registry), log_dir=tmp_path, startup_timeout=120) as server:
+        claude = ClaudeCode(tmp_path, server, "open-mode", model=MODEL)
+        _, with_image = claude.turn("What is in this image? One word.", image=png)
+        _, without = claude.turn("What is in this image? One word.")
+        assert (with_image.generations()[0]["prompt_tokens"] - without.generations()[0]["prompt_tokens"]
+                >= IMAGE_TOKENS), (with_image.requests, without.requests)
+
+        codex = Codex(tmp_path, server, "open-mode", model=MODEL)
+        (codex.workdir / "shot.png").write_bytes(png)
+        _, with_image = codex.turn("What is in this image? One word.", images=(codex.workdir / "shot.png",))
+        _, without = codex.turn("What is in this image? One word.")
+        assert (with_image.generations()[0]["prompt_tokens"] - without.generations()[0]["prompt_tokens"]
+                >= IMAGE_TOKENS), (with_image.requests, without.requests)
+
+
 def test_an_image_prompt_is_a_disk_hit_after_a_restart(gemma_path, projector, cache_dir, server, tmp_path):
     """Last of the module's server: stopped, its slots go to the disk tier; a new server on
     the same cache answers the same image prompt from there, exactly as before."""

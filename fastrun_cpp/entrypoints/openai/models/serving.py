@@ -398,7 +398,8 @@ def codex_model_info(card: ModelCard) -> dict[str, object]:
         "support_verbosity": False,
         "supports_parallel_tool_calls": True,
         "truncation_policy": {"mode": "tokens", "limit": 10000},
-        "input_modalities": ["text"],
+        # Codex attaches images (exec -i, its view_image tool) only for a model that takes them.
+        "input_modalities": ["text", "image"] if "vision" in (card.capabilities or ()) else ["text"],
         "experimental_supported_tools": [],
         "model_messages": {"instructions_template": CODEX_INSTRUCTIONS},
     }
