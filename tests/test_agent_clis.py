@@ -36,9 +36,12 @@ CLAUDE, CODEX = AGENTS / "claude", AGENTS / "codex"
 # docs/coding-agents.md's setup for agents on a small model: a 32k context, and answers capped where the
 # client names no cap (Codex never does; Claude Code's is CLAUDE_CODE_MAX_OUTPUT_TOKENS); and
 # answers that end (see above).
-REGISTRY = f"""
+def agent_registry(model_id: str, source: str = "") -> str:
+    """The registry entry for `model_id` (`source`: its path and mmproj lines, if any)."""
+    return f"""
 [[models]]
-id = "{DEFAULT_MODEL}"
+id = "{model_id}"
+{source}
 slots = 2
 ctx_size = 32768
 [models.defaults]
@@ -46,6 +49,9 @@ max_tokens = 200
 temperature = 0
 stop = ["\\n"]
 """
+
+
+REGISTRY = agent_registry(DEFAULT_MODEL)
 CLI_TIMEOUT_S = 900
 REUSED = 0.95  # of the last turn's prompt, cached on the next
 

@@ -253,21 +253,10 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
     request they make is a 2xx, and the image reaches the model: the turn's prompt holds the
     image's tokens beyond the same turn without it. docs/coding-agents.md's registry for a
     small model (a 32k context, answers that end at a line's end)."""
-    from tests.test_agent_clis import ClaudeCode, Codex
+    from tests.test_agent_clis import ClaudeCode, Codex, agent_registry
 
     registry = tmp_path / "vision-agents.toml"
-    registry.write_text(f"""
-[[models]]
-id = "{MODEL}"
-path = "{gemma_path}"
-mmproj = "{projector}"
-slots = 2
-ctx_size = 32768
-[models.defaults]
-max_tokens = 200
-temperature = 0
-stop = ["\\n"]
-""")
+    registry.write_text(agent_registry(MODEL, f'path = "{gemma_path}"\nmmproj = "{projector}"'))
     png = encoded(picture(9, 320, 240))
     with run_server("--models-file", str(registry), log_dir=tmp_path, startup_timeout=120) as server:
         claude = ClaudeCode(tmp_path, server, "open-mode", model=MODEL)

@@ -13,7 +13,6 @@ import asyncio
 import ctypes
 import logging
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from fastrun_cpp.engine.backend import route_logs
 from fastrun_cpp.engine.errors import ModelLoadError
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.fair_turns import FairTurns
+from fastrun_cpp.lru import ByteLRU
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +59,10 @@ class Projector:
             raise ModelLoadError(f"{self.path}: projectors with M-RoPE positions (Qwen2-VL and its kind) are not "
                                  "served yet")
         self.vision = bool(mtmd.mtmd_support_vision(self._ctx))
-        self.audio = bool(mtmd.mtmd_support_audio(self._ctx))
         self._width = model.n_embd_inp
         self._lock = threading.Lock()  # mtmd's context is one thread's at a time
         self._turns = FairTurns(1)
-        self._encoded: OrderedDict[bytes, EncodedImage] = OrderedDict()
-        self._encoded_bytes = 0
-        self.encodes = 0  # images run through the encoder (not served from what it kept)
+        self._encoded: ByteLRU[bytes, EncodedImage] = ByteLRU(ENCODED_CACHE_BYTES)  # by pixel digest
 
     def close(self) -> None:
         if self._ctx:
@@ -76,9 +73,7 @@ class Projector:
         """`encode`, on a worker thread, in `account`'s turn: encodes take turns by account
         (fair_turns.py), and one whose caller left while it waited never runs. A kept image
         needs no turn."""
-        with self._lock:
-            kept = self._encoded.get(digest)
-        if kept is not None:
+        if (kept := self._encoded.get(digest)) is not None:
             return kept
         async with self._turns.turn(account):
             return await asyncio.to_thread(self.encode, width, height, rgb, digest)
@@ -87,17 +82,11 @@ class Projector:
         """The image's framing tokens and embeddings (`rgb`: width x height x 3 bytes, checked
         and decoded by the caller)."""
         with self._lock:
-            if (kept := self._encoded.get(digest)) is not None:
-                self._encoded.move_to_end(digest)
+            if (kept := self._encoded.get(digest)) is not None:  # encoded while this one waited
                 return kept
             encoded = self._encode(width, height, rgb)
-            self.encodes += 1
-            self._encoded[digest] = encoded
-            self._encoded_bytes += len(encoded.embeddings)
-            while self._encoded_bytes > ENCODED_CACHE_BYTES and len(self._encoded) > 1:
-                _, dropped = self._encoded.popitem(last=False)
-                self._encoded_bytes -= len(dropped.embeddings)
-            return encoded
+        self._encoded.put(digest, encoded, len(encoded.embeddings))
+        return encoded
 
     def _encode(self, width: int, height: int, rgb: bytes) -> EncodedImage:
         data = (ctypes.c_uint8 * len(rgb)).from_buffer_copy(rgb)

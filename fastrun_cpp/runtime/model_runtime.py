@@ -51,7 +51,6 @@ class ModelInfo:
     # keyed by it, so an adapter file replaced across a restart never meets the old one's KV.
     lora_identities: dict[str, str] = field(default_factory=dict)
     vision: bool = False  # takes images (a projector is loaded)
-    audio: bool = False  # takes audio (its projector has an audio encoder)
 
 
 class ModelRuntime:
@@ -396,7 +395,7 @@ async def load_local_runtime(config: ModelConfig, *, threads: int, faults_spec: 
         embedding_dimensions=model.n_embd if config.embeddings and template is None else None,
         rerank_template=template,
         lora_identities=await asyncio.to_thread(lora_identities, config, prompt_cache_dir),
-        vision=projector is not None and projector.vision, audio=projector is not None and projector.audio,
+        vision=projector is not None and projector.vision,
     )
     logger.info(
         "serving %s (%s): %d x %d slots x %d-token context, batch %d, %d threads, KV %s/%s, %s; "

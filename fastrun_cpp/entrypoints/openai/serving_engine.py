@@ -65,7 +65,7 @@ _MEDIA_OPEN, _MEDIA_CLOSE = "\ue002", "\ue003"
 class PromptImages:
     """A request's images as its messages are turned into template input: each image part is
     written as a marker this request alone can make (a user cannot type it), and its URL kept,
-    in the order the markers stand (media_prompt puts the images there). For a model with no
+    in the order the markers stand (image_prompt and with_images put the images there). For a model with no
     projector, an image a user sent is a 400, and one a tool returned (an agent's screenshot)
     a note in the text, so that the agent's turn goes on."""
 
