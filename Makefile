@@ -53,8 +53,20 @@ $(VENV)/.setup: pyproject.toml requirements/serve.txt requirements/model.txt $(L
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.setup requirements/test.txt $(VENV)/.agents
+$(VENV)/.setup-test: $(VENV)/.setup requirements/test.txt $(VENV)/.agents $(VENV)/.browser
 	$(PIP) -r requirements/test.txt
+	touch $@
+
+# The web page's tests (tests/test_ui.py) drive a real browser: Debian's Chromium, installed here
+# when the machine has none (as root, or through sudo). FASTRUN_CHROMIUM names another binary.
+$(VENV)/.browser: | $(BIN)/python
+	@if [ -n "$$FASTRUN_CHROMIUM" ] || command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	elif command -v sudo >/dev/null && command -v apt-get >/dev/null; then \
+	    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "the web page's tests need Chromium: install your system's chromium package," \
+	          "or set FASTRUN_CHROMIUM to a Chromium or Chrome binary" >&2; exit 1; fi
 	touch $@
 
 $(VENV)/.agents: Makefile | $(BIN)/python

@@ -200,6 +200,8 @@ class Settings(BaseSettings):
         description="Check API keys; --no-auth serves without them, even on a public address (keys are ignored).",
     )
     metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics.")
+    ui: bool = Field(True, description="Serve the web page at / (chat with a model; the operator view for an admin "
+                     "key). --no-ui turns it off; the API is the same either way.")
     cors_origins: list[str] = Field(
         default_factory=list, description="Origins allowed to call the API from browsers (CORS)."
     )

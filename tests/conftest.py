@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -51,3 +54,12 @@ def tiny_model_path(tmp_path_factory):
     from fastrun_cpp.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-fim.gguf", embedded_model_path(), fim=True)
+
+
+@pytest.fixture(scope="session")
+def projector(gemma_path, tmp_path_factory):
+    """A random-weight Gemma 3 vision projector for Gemma 3 270M, made by the generator as anyone runs it."""
+    out = tmp_path_factory.mktemp("mmproj") / "tiny-gemma3-mmproj.gguf"
+    subprocess.run([sys.executable, "-m", "fastrun_cpp.tiny_projector", str(out), "--text-model", str(gemma_path)],
+                   check=True, capture_output=True)
+    return out

@@ -10,8 +10,6 @@ import base64
 import concurrent.futures
 import io
 import struct
-import subprocess
-import sys
 import zlib
 
 import anthropic
@@ -46,15 +44,6 @@ def data_uri(data: bytes, media_type: str = "image/png") -> str:
 
 PNG_0 = data_uri(encoded(picture(0)))
 PNG_77 = data_uri(encoded(picture(77)))
-
-
-@pytest.fixture(scope="module")
-def projector(gemma_path, tmp_path_factory):
-    """The generator as anyone runs it."""
-    out = tmp_path_factory.mktemp("mmproj") / "tiny-gemma3-mmproj.gguf"
-    subprocess.run([sys.executable, "-m", "fastrun_cpp.tiny_projector", str(out), "--text-model", str(gemma_path)],
-                   check=True, capture_output=True)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,8 @@ class BodyLimitMiddleware:
 # every account's use. An admin key (`fastrun-cpp keys admin`) for those, and for loading,
 # unloading and pulling models, which change what every account is served.
 KEYED_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-ADMIN_PATHS = frozenset({"/metrics", "/v1/models/load", "/v1/models/unload", "/v1/models/pull"})
+ADMIN_PATHS = frozenset({"/metrics", "/v1/models/load", "/v1/models/unload", "/v1/models/pull",
+                         "/v1/server/status"})
 
 
 class APIKeyMiddleware:

@@ -157,6 +157,17 @@ class UsageRecorder:
         with self._lock:
             self._pending.setdefault((account, hour), Usage()).add(used)
 
+    def by_account(self, since: int) -> dict[str, Usage]:
+        """Usage by account from the hour holding `since` on: what the store holds and what is
+        counted but not yet written to it (a blocking read: call it off the event loop)."""
+        totals = self._store.usage(since=since)
+        with self._lock:
+            pending = [(account, usage) for (account, hour), usage in self._pending.items()
+                       if hour >= since - since % 3600]
+        for account, usage in pending:
+            totals.setdefault(account, Usage()).add(usage)
+        return totals
+
     def _run(self) -> None:
         while not self._stop.wait(self._flush_s):
             self.flush()

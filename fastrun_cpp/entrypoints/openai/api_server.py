@@ -20,12 +20,14 @@ from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
 from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
 from fastrun_cpp.entrypoints.tenancy import UsageRecorder
+from fastrun_cpp.entrypoints.ui import ui_router
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     RequestContextMiddleware,
 )
+from fastrun_cpp.entrypoints.operator import router as operator_router
 from fastrun_cpp.entrypoints.openai.batches.router import router as batches_router
 from fastrun_cpp.entrypoints.openai.batches.runner import BatchRunner
 from fastrun_cpp.entrypoints.openai.batches.serving import OpenAIServingBatches
@@ -183,6 +185,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_models = models
     app.state.grammar_builder = grammar_builder
     app.state.authenticator = authenticator
+    app.state.usage = usage
     app.state.serving_chat = chat = OpenAIServingChat(models, reasoning_format=settings.reasoning_format,
                                                       reasoning_budget=settings.reasoning_budget,
                                                       reasoning_budget_message=settings.reasoning_budget_message,
@@ -200,12 +203,14 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     batches = batch_store(settings)
     batch_thread = StoreThread("fastrun-batches")
     app.state.serving_files = files = OpenAIServingFiles(batches, batch_thread, max_lines=settings.batch_max_lines)
-    batch_runner = BatchRunner(app, batches, batch_thread, key_for=authenticator.key_by_id,
-                               in_flight=bulk_in_flight)
+    app.state.batch_runner = batch_runner = BatchRunner(app, batches, batch_thread, key_for=authenticator.key_by_id,
+                                                        in_flight=bulk_in_flight)
     app.state.serving_batches = OpenAIServingBatches(files, batch_runner, per_account=settings.batches_per_account,
                                                      parse=chat.parse)
-    for api in (*API_ROUTERS, health_router):
+    for api in (*API_ROUTERS, health_router, operator_router):
         app.include_router(api)
+    if settings.ui:
+        app.include_router(ui_router())
     if metrics is not None:
 
         @app.get("/metrics", include_in_schema=False)

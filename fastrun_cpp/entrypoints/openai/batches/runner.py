@@ -105,6 +105,13 @@ class BatchRunner:
             running.batch.update(status=batch["status"], cancelling_at=batch.get("cancelling_at"))
         self._wake.set()
 
+    def progress(self) -> list[dict[str, Any]]:
+        """Every batch with work left, every account's: what the operator view lists."""
+        return [{"id": r.batch["id"], "account": r.owed.account, "status": r.batch["status"],
+                 "endpoint": r.batch.get("endpoint"), "created_at": r.batch.get("created_at"),
+                 "request_counts": dict(r.batch["request_counts"]), "lines_in_flight": len(r.in_flight)}
+                for r in list(self._running.values())]
+
     # ------------------------------------------------------------------ the loop
 
     async def _run_forever(self) -> None:

@@ -72,6 +72,12 @@ class BackgroundResponses:
         running = self._running.get(response_id)
         return running is not None and not running.done
 
+    def progress(self) -> list[dict[str, Any]]:
+        """Every background response queued or running, every account's: what the operator view lists."""
+        return [{"id": r.job.response_id, "account": r.job.account, "status": r.status,
+                 "model": r.job.request.get("model"), "events": len(r.events)}
+                for r in list(self._running.values()) if not r.done]
+
     # ------------------------------------------------------------------ a job
 
     async def _run(self, running: _Running) -> None:
