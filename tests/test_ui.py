@@ -49,7 +49,8 @@ def registry(path: Path, entries: list[dict]) -> Path:
 def ui_server(tmp_path_factory, gemma_path, tiny_model_path, projector):
     """An open loopback server with: smol (SmolLM2, loaded), gemma (not loaded), babble (a random
     2-layer model: long answers, for stop and busy slots), echo (SmolLM2 with a template that makes
-    it repeat the user's message) and vision (Gemma with a projector, not loaded)."""
+    it repeat the user's message; echo-think reads `<think>` in what it repeats as reasoning) and
+    vision (Gemma with a projector, not loaded)."""
     tmp = tmp_path_factory.mktemp("ui")
     smol = str(embedded_model_path())
     models = registry(tmp / "models.toml", [
@@ -57,6 +58,8 @@ def ui_server(tmp_path_factory, gemma_path, tiny_model_path, projector):
         {"id": "gemma", "path": str(gemma_path), **SMALL, "slots": 1, "preload": False},
         {"id": "babble", "path": str(tiny_model_path), **SMALL, "ctx_size": 8192},
         {"id": "echo", "path": smol, **SMALL, "slots": 1, "chat_template_file": str(ECHO_TEMPLATE)},
+        {"id": "echo-think", "path": smol, **SMALL, "slots": 1, "chat_template_file": str(ECHO_TEMPLATE),
+         "reasoning_parser": "think", "preload": False},
         {"id": "vision", "path": str(gemma_path), "mmproj": str(projector), **SMALL, "slots": 1, "preload": False},
     ])
     with run_server("--models-file", str(models), log_dir=tmp, startup_timeout=300) as running:
@@ -106,6 +109,13 @@ def tab(browser, ui_server):
 
 def choose(page: Page, model: str) -> None:
     page.select_option("#model-select", model)
+
+
+def set_sampling(page: Page, **fields: str) -> None:
+    """Fill the page's sampling settings (temperature, max_tokens, ...), opening their panel."""
+    page.evaluate("() => { document.getElementById('settings').open = true; }")
+    for name, value in fields.items():
+        page.fill("#" + name.replace("_", "-"), value)
 
 
 def send(page: Page, text: str) -> None:
@@ -187,8 +197,7 @@ def test_a_message_streams_an_answer_kept_in_the_browser_with_tokens_per_second_
             .observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
     }""")
     choose(page, "smol")
-    page.click("#settings summary")
-    page.fill("#max-tokens", "48")
+    set_sampling(page, max_tokens="48")
     send(page, "Write three sentences about the sea.")
     wait_for_answers(page, 1)
     first = STATS.search(last_stats(page))
@@ -229,8 +238,7 @@ def test_edit_and_resend_and_regenerate(tab, ui_server):
 def test_stop_ends_the_stream_and_frees_the_slot(tab, ui_server):
     page = tab.page
     choose(page, "babble")
-    page.click("#settings summary")
-    page.fill("#max-tokens", "7000")
+    set_sampling(page, max_tokens="7000")
     send(page, "Go on for as long as you can.")
     assert wait_until(lambda: busy_slots(ui_server, "babble") == 1, timeout=120)
     page.wait_for_selector("#stop", state="visible")
@@ -254,6 +262,19 @@ def test_choosing_an_unloaded_model_loads_it(tab, ui_server):
     assert tab.problems == []
 
 
+def test_reasoning_is_shown_apart_and_folded(tab, ui_server):
+    page = tab.page
+    choose(page, "echo-think")
+    set_sampling(page, temperature="0")
+    send(page, "<think>First I weigh the options.</think>The answer is blue.")
+    wait_for_answers(page, 1)
+    reasoning = page.locator(".msg.assistant details.reasoning")
+    assert reasoning.count() == 1 and not reasoning.evaluate("details => details.open")  # folded
+    assert "weigh the options" not in last_answer(page) and "answer is blue" in last_answer(page)
+    assert "weigh the options" in reasoning.text_content()
+    assert tab.problems == []
+
+
 def png(size: int = 64) -> bytes:
     image = Image.new("RGB", (size, size))
     for x in range(size):
@@ -274,8 +295,7 @@ def test_an_attached_image_reaches_a_vision_model(tab, ui_server):
         "model": "vision", "max_tokens": 1, "messages": [{"role": "user", "content": "What is this?"}]}).json()
     page.set_input_files("#attach", files=[{"name": "picture.png", "mimeType": "image/png", "buffer": png()}])
     page.wait_for_selector("#attachments img", state="visible")
-    page.click("#settings summary")
-    page.fill("#max-tokens", "16")
+    set_sampling(page, max_tokens="16")
     send(page, "What is this?")
     wait_for_answers(page, 1)
     stats = STATS.search(last_stats(page))
@@ -345,8 +365,7 @@ def test_a_hostile_answer_renders_as_inert_text(browser, ui_server):
         page = tab.page
         page.wait_for_selector("#model-select option", state="attached")
         choose(page, "echo")
-        page.click("#settings summary")
-        page.fill("#temperature", "0")
+        set_sampling(page, temperature="0")
         send(page, message)
         wait_for_answers(page, 1)
         shown = last_answer(page)
@@ -449,6 +468,16 @@ def test_the_operator_view_shows_a_busy_slot_while_a_stream_runs(tab, ui_server)
     page.wait_for_function(
         """() => document.querySelector('#server-models tr[data-model="babble"] td:nth-child(3)')
                  .textContent === '0 / 2'""", timeout=60_000)
+    # A background response at work is listed with its status.
+    with httpx.Client(base_url=ui_server.base_url, timeout=60) as http:
+        response = http.post("/responses", json={"model": "babble", "input": "Go on.", "background": True,
+                                                 "max_output_tokens": 8000}).json()
+        try:
+            page.wait_for_selector(f'#server-background tbody tr:has(td:text-is("{response["id"]}"))')
+        finally:
+            http.post(f"/responses/{response['id']}/cancel")
+    page.wait_for_selector(f'#server-background tbody tr:has(td:text-is("{response["id"]}"))', state="detached",
+                           timeout=120_000)
     # A batch at work is listed with its progress.
     lines = b"".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
                                  "body": {"model": "babble", "max_tokens": 7000,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
 
@@ -90,6 +91,23 @@ class JSONPieces:
                 await asyncio.sleep(0)
         if buffered:
             yield b"".join(buffered)
+
+
+def answer_pieces(answer: BaseModel, items: str, context: dict[str, Any] | None = None) -> JSONPieces:
+    """`answer` as JSON made item by item: its other fields at once, then each item of its list
+    field `items` (a chat or completion answer's choices) on its own. An answer of 128 choices
+    with their logprobs then holds the event loop for one choice's encoding at a time, not for
+    the whole answer's (what a serializer of the whole dict does)."""
+
+    def pieces() -> Iterator[bytes]:
+        head = answer.model_dump(mode="json", exclude={items}, context=context)
+        opened = json.dumps(head, ensure_ascii=False, allow_nan=False, separators=(",", ":"))[:-1]
+        yield f'{opened}{"," if head else ""}{json.dumps(items)}:['.encode()
+        for index, item in enumerate(getattr(answer, items)):
+            yield (b"," if index else b"") + item.model_dump_json(context=context).encode()
+        yield b"]}"
+
+    return JSONPieces(pieces())
 
 
 def respond(request: Request, result: Any) -> Response:

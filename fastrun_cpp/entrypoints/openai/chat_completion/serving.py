@@ -54,6 +54,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
+from fastrun_cpp.entrypoints.openai.utils import JSONPieces, answer_pieces
 from fastrun_cpp.parsers import ReasoningParser, ToolFunction, ToolParser
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
 from fastrun_cpp.parsers.tool_calls import FallbackToolParser
@@ -184,10 +185,10 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_budget = reasoning_budget  # --reasoning-budget: where a request names none
         self.reasoning_budget_message = reasoning_budget_message
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> JSONPieces | AsyncIterator[str]:
         result = await self.answer(request)
         if isinstance(result, ChatCompletion):
-            return result.model_dump(mode="json", context=self.dump_context)
+            return answer_pieces(result, "choices", self.dump_context)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return self._server_sent_events(self._chunks(result, request.model, include_usage))
 

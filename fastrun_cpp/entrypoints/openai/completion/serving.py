@@ -27,12 +27,12 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
-from fastrun_cpp.entrypoints.openai.utils import merge_async_iterators
+from fastrun_cpp.entrypoints.openai.utils import JSONPieces, answer_pieces, merge_async_iterators
 from fastrun_cpp.runtime import EngineStream
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, request: CompletionRequest) -> Completion | AsyncIterator[str]:
+    async def create_completion(self, request: CompletionRequest) -> JSONPieces | AsyncIterator[str]:
         served = await self.served_model(request.model, request.keep_alive)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         completion_id = random_id("cmpl")
@@ -68,7 +68,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self._stream(served, request, completion_id, prompts, generations, streams, include_usage)
-        return await self._complete(served, request, completion_id, prompts, generations, streams)
+        return answer_pieces(await self._complete(served, request, completion_id, prompts, generations, streams),
+                             "choices")
 
     async def _prompt_tokens(self, served: ServedModel, prompt: str, suffix: str | None) -> list[int]:
         if suffix is None:
