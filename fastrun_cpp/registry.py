@@ -383,6 +383,8 @@ def cached_hub_model(settings, model_id: str) -> ModelConfig | None:
     return hub_model(settings, model_id, parsed[0], filename)
 
 
-def hub_model(settings, model_id: str, repo: str, filename: str) -> ModelConfig:
-    """A Hub file served as `model_id`, configured by the server's flags, loaded when asked for."""
-    return ModelConfig(id=model_id, hub=HubSource(repo=repo, file=filename), preload=False, **_overrides(settings))
+def hub_model(settings, model_id: str, repo: str, filename: str, *, revision: str | None = None) -> ModelConfig:
+    """A Hub file (of `revision`, `main` by default) served as `model_id`, configured by the
+    server's flags, loaded when asked for."""
+    return ModelConfig(id=model_id, hub=HubSource(repo=repo, file=filename, revision=revision), preload=False,
+                       **_overrides(settings))

@@ -28,8 +28,9 @@ class FakeHub:
         self.trickling: set[str] = set()  # file names whose GET sends a byte every 0.2 s (60 s at most)
         self.url = ""
 
-    def add(self, repo: str, name: str, source: Path) -> None:
-        target = self.root / repo / name
+    def add(self, repo: str, name: str, source: Path, *, revision: str = "main") -> None:
+        """`source` as `name` in `repo` at `revision` (a branch or tag other than main has its own files)."""
+        target = self.root / repo / ("" if revision == "main" else f"@{revision}") / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.symlink_to(source.resolve())
 
@@ -71,8 +72,10 @@ def _handler(hub: FakeHub):
                 repo_dir = hub.root / "/".join(parts[2:tree])
                 if not repo_dir.is_dir():
                     return self._error(404, "RepoNotFound")
+                revision = parts[tree + 1] if len(parts) > tree + 1 else "main"
+                files = repo_dir if revision == "main" else repo_dir / f"@{revision}"
                 listing = [{"type": "file", "path": f.name, "size": f.stat().st_size, "oid": "0" * 40}
-                           for f in sorted(repo_dir.iterdir())]
+                           for f in sorted(files.iterdir()) if f.is_file()] if files.is_dir() else []
                 data = json.dumps(listing).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -84,13 +87,15 @@ def _handler(hub: FakeHub):
             if "resolve" not in parts:
                 return self._error(404, "RepoNotFound")
             marker = parts.index("resolve")
-            repo, filename = "/".join(parts[:marker]), "/".join(parts[marker + 2:])
+            repo, revision, filename = "/".join(parts[:marker]), parts[marker + 1], "/".join(parts[marker + 2:])
             if repo.split("/")[-1].startswith("gated"):
                 return self._error(401, "GatedRepo")
             repo_dir = hub.root / repo
             if not repo_dir.is_dir():
                 return self._error(404, "RepoNotFound")
-            file = repo_dir / filename
+            file = (repo_dir if revision == "main" else repo_dir / f"@{revision}") / filename
+            # Each revision its own commit, as the Hub's cache keeps them apart (refs/<revision>).
+            self.commit = COMMIT if revision == "main" else hashlib.sha1(revision.encode()).hexdigest()
             if not file.is_file():
                 return self._error(404, "EntryNotFound")
             data = file.read_bytes()
@@ -103,7 +108,7 @@ def _handler(hub: FakeHub):
             if body and filename in hub.trickling:
                 return self._trickle(data)
             self.send_response(206 if start else 200)
-            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("X-Repo-Commit", self.commit)
             self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
             self.send_header("Accept-Ranges", "bytes")
             claimed = hub.claimed_size.get(filename) if not body else None
@@ -124,7 +129,7 @@ def _handler(hub: FakeHub):
         def _trickle(self, data: bytes) -> None:
             """A download that stays in progress: its length said, a byte every 0.2 s."""
             self.send_response(200)
-            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("X-Repo-Commit", self.commit)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.close_connection = True
@@ -138,7 +143,7 @@ def _handler(hub: FakeHub):
 
         def _endless(self) -> None:
             self.send_response(200)
-            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("X-Repo-Commit", self.commit)
             self.send_header("ETag", '"endless"')
             self.send_header("Connection", "close")
             self.end_headers()

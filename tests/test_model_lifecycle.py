@@ -271,6 +271,22 @@ def test_a_pull_streams_its_progress_and_the_model_is_served_then_and_after_a_re
         assert chat(server, "fastrun-test/smol-GGUF").status_code == 200
 
 
+def test_a_pull_of_a_revision_is_the_model_loaded_and_main_is_never_fetched(tmp_path, hub, gemma_path):
+    """`revision` names what is served: the load after the pull takes the revision's file from
+    the cache. (It used to load `main`'s file instead, downloading it, past the pull's bound.)"""
+    hub.add("fastrun-test/two-GGUF", "model.gguf", embedded_model_path())  # main: SmolLM2
+    hub.add("fastrun-test/two-GGUF", "model.gguf", gemma_path, revision="v1")  # v1: Gemma 3
+    with run_server("--slots", "1", "--ctx-size", "1024", log_dir=tmp_path, env=hub_env(hub, tmp_path),
+                    startup_timeout=600) as server:
+        events = pull_events(server, model="fastrun-test/two-GGUF", revision="v1")
+        assert events[-1]["status"] == "success", events[-3:]
+        answer = chat(server, "fastrun-test/two-GGUF")
+        assert answer.status_code == 200, answer.text
+        assert card(server, "fastrun-test/two-GGUF")["meta"]["n_vocab"] == 262144  # Gemma 3's, not SmolLM2's
+        assert [path for _, path, _ in hub.requests if "/resolve/" in path] and \
+            not [path for _, path, _ in hub.requests if "/resolve/main/" in path]
+
+
 def test_hostile_pulls_are_bounded(tmp_path, hub):
     hub.add_bytes("fastrun-test/huge-GGUF", "huge.gguf", b"GGUF" + bytes(1000))
     hub.claimed_size["huge.gguf"] = 2**44  # 16 TiB, it says

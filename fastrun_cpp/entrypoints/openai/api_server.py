@@ -126,7 +126,8 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     registry = registry_from_settings(settings)
     manager = model_manager(settings, registry)
     models = OpenAIServingModels(manager, load_wait_s=settings.load_wait_s,
-                                 hub_config=lambda model_id, repo, filename: hub_model(settings, model_id, repo, filename),
+                                 hub_config=lambda model_id, repo, filename, revision: hub_model(
+                                     settings, model_id, repo, filename, revision=revision),
                                  pull_max_bytes=int(settings.pull_max_gib * 2**30),
                                  user_hub_models=settings.user_hub_models,
                                  user_keep_alive_max_s=parse_keep_alive(settings.user_keep_alive_max))

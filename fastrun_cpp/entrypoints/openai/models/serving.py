@@ -40,7 +40,7 @@ PROGRESS_EVERY_S = 0.25
 
 class OpenAIServingModels:
     def __init__(self, manager: ModelManager, *, load_wait_s: float,
-                 hub_config: Callable[[str, str, str], ModelConfig] | None = None,
+                 hub_config: Callable[[str, str, str, str | None], ModelConfig] | None = None,
                  pull_max_bytes: int | None = None, user_hub_models: bool = False,
                  user_keep_alive_max_s: float = 3600) -> None:
         self.manager = manager
@@ -49,7 +49,7 @@ class OpenAIServingModels:
         self.user_hub_models = user_hub_models
         self.user_keep_alive_max_s = user_keep_alive_max_s
         self.load_wait_s = load_wait_s  # how long a request waits for its model to load before a 503
-        self.hub_config = hub_config  # (model id, repo, file) -> its configuration
+        self.hub_config = hub_config  # (model id, repo, file, revision) -> its configuration
         self.pull_max_bytes = pull_max_bytes
         self.preload_done = False
         self._pull_places = _Places(MAX_PULLS)
@@ -216,7 +216,8 @@ class OpenAIServingModels:
             except Exception as exc:  # what huggingface-hub raises past its own errors (a refused size, a bad file)
                 yield _pull_error(502, f"the pull of {request.model} failed: {exc}", "upstream_error")
                 return
-            served = self.manager.add(self.hub_config(model_id, request.model, path.name))
+            # The revision pulled is the one loaded: without it a load would fetch `main`'s file.
+            served = self.manager.add(self.hub_config(model_id, request.model, path.name, request.revision))
             yield {"status": "success", "model": served.id, "path": str(path),
                    "seconds": round(time.monotonic() - started, 2)}
         finally:
