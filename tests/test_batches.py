@@ -141,6 +141,21 @@ def test_completions_and_embeddings_run_in_batches(client, server):
         assert line["response"]["body"]["data"][0]["embedding"] == direct.data[0].embedding  # exactly
 
 
+def test_a_background_responses_line_is_answered_whole_within_the_batch(client):
+    """`background: true` in a /v1/responses line: the batch is the background already, so the
+    line's answer is in the output file, done (not a `queued` response left to run outside the
+    batch's window and usage)."""
+    lines = [{"custom_id": "r0", "method": "POST", "url": "/v1/responses",
+              "body": {"model": DEFAULT_MODEL, "input": "Say hi.", "max_output_tokens": 8, "background": True}}]
+    batch = finished(client, client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/responses",
+                                                   completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    (line,) = file_lines(client, batch.output_file_id)
+    body = line["response"]["body"]
+    assert body["status"] in ("completed", "incomplete") and body["background"] is False
+    assert body["output"] and body["usage"]["output_tokens"] > 0
+
+
 def test_malformed_lines_go_to_the_error_file_and_never_fail_the_batch(client):
     lines = [
         chat_line("good", "Say yes."),

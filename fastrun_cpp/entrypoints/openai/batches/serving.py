@@ -64,6 +64,9 @@ def parse_lines(content: bytes, endpoint: str) -> list[ParsedLine]:
         else:
             body = dict(line["body"])
             body.pop("stream", None)  # a batch line is answered whole
+            # and within the batch: a background response would "complete" the line as `queued`
+            # and run outside the batch's window and usage (the batch is the background already).
+            body.pop("background", None)
             if endpoint == "/v1/embeddings":
                 inputs = body.get("input")
                 embedding_inputs += len(inputs) if isinstance(inputs, list) and inputs and \
