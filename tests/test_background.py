@@ -4,6 +4,10 @@ cancelled, and finished after a kill -9."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+
+import httpx
 import openai
 import pytest
 
@@ -113,3 +117,52 @@ def test_a_background_response_finishes_after_kill_9(tmp_path):
         response = settled(client, response_id)
         assert response.status in ("completed", "incomplete"), response
         assert response.output_text == client.responses.create(**request).output_text
+
+
+@pytest.fixture(scope="module")
+def babble(tmp_path_factory, tiny_model_path):
+    """A server of a random 2-layer model (long answers: a background job that is still running
+    when the test acts), and two batches or background responses at once per account."""
+    directory = tmp_path_factory.mktemp("babble")
+    models = directory / "models.toml"
+    models.write_text(f'[[models]]\nid = "babble"\npath = "{tiny_model_path}"\nslots = 2\nctx_size = 8192\n'
+                      'prompt_cache_mib = 64\n')
+    with run_server("--models-file", str(models), "--batches-per-account", "2", log_dir=directory) as running:
+        yield running
+
+
+LONG = {"model": "babble", "input": "Go on.", "background": True, "max_output_tokens": 8000}
+
+
+def test_a_deleted_background_response_stops_and_stays_deleted(babble):
+    """A DELETE while its job runs stops the job; the job's end never stores it again (it did:
+    the finished stream wrote the response back, so a deleted response came back)."""
+    with httpx.Client(base_url=babble.base_url, timeout=60) as http:
+        created = http.post("/responses", json=LONG).json()
+        assert wait_until(lambda: http.get(f"/responses/{created['id']}").json()["status"] == "in_progress", 60)
+        assert http.delete(f"/responses/{created['id']}").json()["deleted"] is True
+        assert wait_until(lambda: babble.busy_slots("babble") == 0, 60), "the deleted job kept its slot"
+        assert http.get(f"/responses/{created['id']}").status_code == 404
+        assert http.get(f"/responses/{created['id']}", params={"stream": "true"}).status_code == 404
+
+
+def test_requests_sent_together_cannot_pass_the_accounts_cap(babble):
+    """The cap on an account's background responses and batches is checked and taken in one
+    store transaction: six sent at once get two places and four 429s (a check made before the
+    insert, with awaits between, let all six through)."""
+    line = json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/responses", "body": {**LONG, "background": False}})
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{babble.base_url}{path}", json=body, timeout=60)
+
+    with httpx.Client(base_url=babble.base_url, timeout=60) as http:
+        file_id = http.post("/files", files={"file": ("lines.jsonl", line.encode())}, data={"purpose": "batch"}).json()["id"]
+        batch = {"input_file_id": file_id, "endpoint": "/v1/responses", "completion_window": "24h"}
+        for path, body in (("/responses", LONG), ("/batches", batch)):
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                answers = list(pool.map(lambda _: post(path, body), range(6)))
+            statuses = sorted(answer.status_code for answer in answers)
+            assert statuses == [200, 200, 429, 429, 429, 429], (path, statuses)
+            for answer in answers:
+                if answer.status_code == 200:
+                    http.post(f"{path}/{answer.json()['id']}/cancel")

@@ -16,6 +16,11 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 60.0
 
 
+class AccountAtCap(Exception):
+    """The account already has as many of a kind of stored work running (batches, background
+    responses) as it may: raised by a store inside the transaction that would add one more."""
+
+
 class LimitReached(Exception):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)

@@ -17,6 +17,7 @@ from fastrun_cpp.entrypoints.openai.batches.protocol import (
 )
 from fastrun_cpp.entrypoints.openai.batches.runner import BatchRunner
 from fastrun_cpp.entrypoints.openai.batches.store import OwedBatch, ParsedLine, error_line, lines_of, new_id
+from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles, _page, account
 from fastrun_cpp.entrypoints.request_context import current_record
@@ -120,7 +121,11 @@ class OpenAIServingBatches:
         }
         record = current_record()
         key_id = record.key_id if record is not None else None
-        await self.files.in_store(self.store.create_batch, owner, key_id, batch, lines)
+        try:
+            await self.files.in_store(self.store.create_batch, owner, key_id, batch, lines,
+                                      per_account=self.per_account)
+        except AccountAtCap as exc:  # another of the account's requests took the last place meanwhile
+            raise APIError(429, str(exc), "rate_limit_error", retry_after=60) from None
         self.runner.add(OwedBatch(owner or "", key_id, dict(batch)))
         return batch
 

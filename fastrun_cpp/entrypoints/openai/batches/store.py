@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.private import create_private
 
 _SCHEMA = """
@@ -242,15 +243,23 @@ class BatchStore:
 
     def active_batches(self, account: str | None) -> int:
         with self._lock, closing(self._connect()) as db:
-            (count,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE account = ? AND status IN "
-                                  f"({','.join('?' * len(ACTIVE))})", (_owner(account), *ACTIVE)).fetchone()
+            return self._active_batches(db, account)
+
+    @staticmethod
+    def _active_batches(db: sqlite3.Connection, account: str | None) -> int:
+        (count,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE account = ? AND status IN "
+                              f"({','.join('?' * len(ACTIVE))})", (_owner(account), *ACTIVE)).fetchone()
         return count
 
     def create_batch(self, account: str | None, key_id: int | None, batch: dict[str, Any],
-                     lines: list[ParsedLine]) -> None:
+                     lines: list[ParsedLine], *, per_account: int) -> None:
         """The batch with its lines, in one transaction: a line that cannot run is failed at once
-        with its error line."""
+        with its error line. The account's count of running batches is checked in the same
+        transaction (AccountAtCap), so requests sent together cannot all pass a check made before."""
         with self._lock, closing(self._connect()) as db, db:
+            if self._active_batches(db, account) >= per_account:
+                raise AccountAtCap(f"this account already has {per_account} batches running, the most it may "
+                                   "(wait for one to end, or cancel one)")
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
                        (batch["id"], _owner(account), key_id, batch["created_at"], batch["status"], json.dumps(batch)))
             db.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, request, state, result) "

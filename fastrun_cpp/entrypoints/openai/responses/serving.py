@@ -46,6 +46,7 @@ from fastrun_cpp.entrypoints.openai.responses.protocol import (
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal
 from fastrun_cpp.entrypoints.openai.responses.background import BackgroundResponses, request_for_background
 from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob, ResponseStore, StoredTooLarge
+from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.entrypoints.request_context import current_record
@@ -285,7 +286,13 @@ class OpenAIServingResponses:
         return stored.response
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        if not await self.in_store(self.store.delete, _account(), response_id):
+        account = _account()
+        if await self.in_store(self.store.get, account, response_id) is None:
+            raise APIError(404, f"no stored response with id {response_id!r}")
+        # A background job still running would store its response again as it ends: it stops first.
+        if self.background.cancel(response_id):
+            await self.background.wait_cancelled(response_id)
+        if not await self.in_store(self.store.delete, account, response_id):
             raise APIError(404, f"no stored response with id {response_id!r}")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -346,16 +353,16 @@ class OpenAIServingResponses:
         history = await self._history(request)
         await self._chat_of(request, history)  # the request's own errors are its 400 now, not a failed job later
         account = _account()
-        if await self.in_store(self.store.background_running, account) >= self.background.per_account:
-            raise APIError(429, f"this account already has {self.background.per_account} background responses "
-                                "running, the most it may", "rate_limit_error", retry_after=30)
         response = self._skeleton(request, item_id("resp"), unix_time())
         response.status, response.background = "queued", True
         record = current_record()
         job = BackgroundJob(response.id, account or "", record.key_id if record is not None else None,
                             request_for_background(request), history)
-        await self.in_store(self.store.put_background, account, job.key_id, response.model_dump(mode="json"),
-                             job.request, history)
+        try:
+            await self.in_store(self.store.put_background, account, job.key_id, response.model_dump(mode="json"),
+                                 job.request, history, per_account=self.background.per_account)
+        except AccountAtCap as exc:  # checked and taken in one transaction: requests sent together count
+            raise APIError(429, str(exc), "rate_limit_error", retry_after=30) from None
         self.background.run(job)
         if request.stream:
             return self.background.follow(account, response.id, -1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.private import create_private
 
 _SCHEMA = """
@@ -163,19 +164,19 @@ class ResponseStore:
     # ------------------------------------------------------------------ background responses
 
     def put_background(self, account: str | None, key_id: int | None, response: dict[str, Any],
-                       request: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """A queued background response, with what it takes to run it (again, after a restart)."""
+                       request: dict[str, Any], conversation: list[dict[str, Any]], *, per_account: int) -> None:
+        """A queued background response, with what it takes to run it (again, after a restart).
+        The account's count of those running is checked in the same transaction (AccountAtCap)."""
         with self._lock, closing(self._connect()) as db, db:
+            (running,) = db.execute("SELECT COUNT(*) FROM background WHERE account = ? AND done = 0",
+                                    (account or OPEN_ACCOUNT,)).fetchone()
+            if running >= per_account:
+                raise AccountAtCap(f"this account already has {per_account} background responses running, "
+                                   "the most it may")
             self._put(db, account, response, conversation)
             db.execute("INSERT OR REPLACE INTO background VALUES (?, ?, ?, ?, ?, 0)",
                        (response["id"], account or OPEN_ACCOUNT, key_id, json.dumps(request),
                         json.dumps(conversation)))
-
-    def background_running(self, account: str | None) -> int:
-        with self._lock, closing(self._connect()) as db:
-            (count,) = db.execute("SELECT COUNT(*) FROM background WHERE account = ? AND done = 0",
-                                  (account or OPEN_ACCOUNT,)).fetchone()
-        return count
 
     def owed_background(self) -> list[BackgroundJob]:
         with self._lock, closing(self._connect()) as db:
