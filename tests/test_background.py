@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from fastrun_cpp.default_model import embedded_model_path
 from tests.server import DEFAULT_MODEL, run_server, wait_until
 from tests.test_batches import busy_slots, client, server  # noqa: F401 (fixtures: a server of this module's own)
 
@@ -166,3 +167,26 @@ def test_requests_sent_together_cannot_pass_the_accounts_cap(babble):
             for answer in answers:
                 if answer.status_code == 200:
                     http.post(f"{path}/{answer.json()['id']}/cancel")
+
+
+def test_jobs_whose_model_cannot_load_wait_out_of_turn(tmp_path):
+    """Background jobs naming a model that fails to load are refused (503) and tried again later;
+    they wait without holding one of the places jobs run in, so a job of a model that loads runs
+    meanwhile (the three places were held through the waits: every later job stalled)."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(4096))
+    models = tmp_path / "models.toml"
+    models.write_text(f'[[models]]\nid = "smol"\npath = "{embedded_model_path()}"\nslots = 2\nctx_size = 1024\n'
+                      f'prompt_cache_mib = 64\n\n[[models]]\nid = "broken"\npath = "{broken}"\nslots = 1\n'
+                      'ctx_size = 1024\npreload = false\n')
+    with run_server("--models-file", str(models), log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        stuck = [client.responses.create(model="broken", input="Hi.", background=True, max_output_tokens=4)
+                 for _ in range(3)]  # as many as run at once (the slots of both models)
+        assert wait_until(lambda: "broken" in server.log() and "load" in server.log(), 60)
+        done = settled(client, client.responses.create(model="smol", input=QUESTION, background=True,
+                                                       max_output_tokens=8).id, timeout=120)
+        assert done.status in ("completed", "incomplete") and done.output_text
+        assert all(client.responses.retrieve(job.id).status == "queued" for job in stuck)  # still tried again
+        for job in stuck:
+            assert client.responses.cancel(job.id).status == "cancelled"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 RETRIED_STATUSES = frozenset({429, 503})  # the server full, or the model not loaded yet: try later
 RETRY_S = (1.0, 30.0)
+RETRY_DEADLINE_S = 3600.0  # a job the server could not start for an hour fails with the last refusal
 LIFECYCLE = frozenset({"response.created", "response.in_progress"})  # sent before the engine answers
 
 
@@ -96,26 +98,31 @@ class BackgroundResponses:
                 key.min_priority
         set_current_record(record)  # this task's own context: the engine reads the account from it
         wait_s = RETRY_S[0]
+        give_up_at = time.monotonic() + RETRY_DEADLINE_S
         try:
-            async with self._turns:
-                while True:
+            while True:
+                async with self._turns:
                     try:
                         events = await self.serving.answer_background(job)
-                        break
                     except APIError as exc:
-                        if exc.status_code not in RETRIED_STATUSES:
+                        if exc.status_code not in RETRIED_STATUSES or time.monotonic() >= give_up_at:
                             await self.serving.end_background(job, running.events, failed=exc)
                             return
-                        await asyncio.sleep(exc.retry_after or wait_s)
-                        wait_s = min(RETRY_S[1], wait_s * 2)
-                async for event in events:
-                    if running.status == "queued" and event.event not in LIFECYCLE:
-                        # The answer's first item: the engine has given it a slot and is answering.
-                        running.status = "in_progress"
-                        await self.serving.mark_background(job, "in_progress")
-                    running.events.append(event.data)
-                    running.changed.set()
-                await self.serving.end_background(job, running.events)
+                        refused = exc
+                    else:
+                        async for event in events:
+                            if running.status == "queued" and event.event not in LIFECYCLE:
+                                # The answer's first item: the engine has given it a slot and is answering.
+                                running.status = "in_progress"
+                                await self.serving.mark_background(job, "in_progress")
+                            running.events.append(event.data)
+                            running.changed.set()
+                        await self.serving.end_background(job, running.events)
+                        return
+                # Waited out of turn: a job its model cannot take now (not loaded, or failing to
+                # load) leaves its place to every other account's jobs meanwhile.
+                await asyncio.sleep(refused.retry_after or wait_s)
+                wait_s = min(RETRY_S[1], wait_s * 2)
         except asyncio.CancelledError:
             if running.status != "cancelled":
                 raise  # the server stops: the job stays owed, and runs again after the restart
