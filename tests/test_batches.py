@@ -295,6 +295,27 @@ def test_hostile_files_and_batches_get_clear_4xx(client, server):
     assert http.get(f"/files/{uploaded.id}").status_code == 404
 
 
+def test_one_accounts_rate_limit_does_not_hold_the_places_of_anothers_lines(tmp_path):
+    """Lines refused by their account's limit (429) wait for their Retry-After out of the places
+    lines run in: another account's batch runs meanwhile. (They slept in their places, so with
+    two slots another account's line waited out the whole minute of the limited one's.)"""
+    db = tmp_path / "keys.sqlite3"
+    limited, other = create_key(db, "limited"), create_key(db, "other")
+    assert keys_cli(db, "limit", "limited", "--rpm", "3").returncode == 0  # the upload, the batch, and one line a minute
+    with run_server("--slots", "2", "--ctx-size", "1024", log_dir=tmp_path, env={"FASTRUN_KEYS_DB": str(db)}) as server:
+        as_limited = openai.OpenAI(base_url=server.base_url, api_key=limited, max_retries=0)
+        as_other = openai.OpenAI(base_url=server.base_url, api_key=other, max_retries=0)
+        slow = as_limited.batches.create(input_file_id=upload(as_limited, [chat_line(f"l{i}", "Say hi.")
+                                                                           for i in range(4)]).id,
+                                         endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_until(lambda: as_limited.batches.retrieve(slow.id).request_counts.completed == 1, 120)
+        quick = finished(as_other, as_other.batches.create(input_file_id=upload(as_other, [chat_line("o", "Say hi.")]).id,
+                                                           endpoint="/v1/chat/completions", completion_window="24h").id)
+        assert quick.status == "completed" and quick.request_counts.completed == 1
+        counts = as_limited.batches.retrieve(slow.id).request_counts
+        assert counts.completed == 1 and counts.failed == 0  # still waiting for its minute, not failed
+
+
 def test_files_batches_and_answers_stay_within_their_account(tmp_path):
     db = tmp_path / "keys.sqlite3"
     alice, bob = create_key(db, "alice"), create_key(db, "bob")

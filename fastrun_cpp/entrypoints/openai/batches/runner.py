@@ -8,8 +8,10 @@ interactive request preempts them (the exact resume keeps their answers the same
 
 Lines are sent a few at a time (about one per slot), in turn over the accounts and then their
 batches, so batches keep the slots busy without filling the queue interactive requests wait in. A line that
-finds the server full (429), a model not ready (503) or its time up (504) is sent again later,
-until the batch's completion window closes.
+finds the server or its account full (429) or its model not ready (503) is sent again later, until
+the batch's completion window closes; it waits out of its place, so one account's rate limit never
+holds the places other accounts' lines run in. A line that timed out (504) is not sent again: it
+ran, and was billed, to its timeout; its 504 is its result.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from fastrun_cpp.entrypoints.openai.utils import StoreThread
 logger = logging.getLogger(__name__)
 
 BATCH_SCOPE_KEY = "fastrun.batch_key"  # set only here: no client can put a key into an ASGI scope
-RETRIED_STATUSES = frozenset({429, 503, 504})
+RETRIED_STATUSES = frozenset({429, 503})
 RETRY_S = (1.0, 30.0)  # a retried line waits Retry-After, or this, doubling to the second
 EXPIRED = {"code": "batch_expired", "message": "this line was not run within the batch's completion window"}
 
@@ -51,6 +53,8 @@ class _Running:
     next_line: int = 0  # the line after which pending lines are read
     queued: list[PendingLine] = field(default_factory=list)
     in_flight: dict[int, asyncio.Task] = field(default_factory=dict)  # by line
+    # Lines refused for now (429, 503), to be sent again: (when, the wait after that, the line).
+    refused: list[tuple[float, float, PendingLine]] = field(default_factory=list)
     exhausted: bool = False  # every pending line has been read
     ending: tuple[dict[str, Any], dict[str, Any] | None] | None = None  # cancelled or expired: (change, error)
 
@@ -144,7 +148,7 @@ class BatchRunner:
                 continue
             if running.ending is not None:
                 await self._finalize(running, *running.ending)
-            elif batch["status"] == "finalizing" or (running.exhausted and not running.queued):
+            elif batch["status"] == "finalizing" or (running.exhausted and not running.queued and not running.refused):
                 batch.update(status="finalizing", finalizing_at=batch.get("finalizing_at") or now)
                 await self._in_store(self.store.update_batch, batch)
                 await self._finalize(running, {"status": "completed", "completed_at": int(time.time())}, None)
@@ -153,8 +157,9 @@ class BatchRunner:
     async def _fill(self) -> None:
         """Start lines up to the limit in flight, one batch at a time in turn."""
         while (free := self.in_flight - sum(len(r.in_flight) for r in self._running.values())) > 0:
+            now = time.monotonic()
             candidates = [r for r in self._running.values() if r.batch["status"] == "in_progress"
-                          and r.ending is None and (r.queued or not r.exhausted)]
+                          and r.ending is None and (r.queued or not r.exhausted or _due(r, now))]
             if not candidates:
                 return
             by_account: dict[str, int] = {}
@@ -162,6 +167,12 @@ class BatchRunner:
                 by_account[r.owed.account] = by_account.get(r.owed.account, 0) + len(r.in_flight)
             # Accounts take turns, then their batches: a second batch does not double an account's lines.
             running = min(candidates, key=lambda r: (by_account[r.owed.account], len(r.in_flight)))
+            due = _due(running, now)
+            if due is not None:  # a refused line whose wait is over goes first
+                running.refused.remove(due)
+                _, wait_s, line = due
+                running.in_flight[line.line] = asyncio.create_task(self._run_line(running, line, wait_s))
+                continue
             if not running.queued:
                 running.queued = await self._in_store(self.store.pending_lines, running.batch["id"],
                                                       running.next_line, max(free, 16))
@@ -171,7 +182,7 @@ class BatchRunner:
                     continue
                 running.next_line = running.queued[-1].line
             line = running.queued.pop(0)
-            task = asyncio.create_task(self._run_line(running, line))
+            task = asyncio.create_task(self._run_line(running, line, RETRY_S[0]))
             running.in_flight[line.line] = task
 
     async def _finalize(self, running: _Running, change: dict[str, Any], unfinished: dict[str, Any] | None) -> None:
@@ -183,10 +194,13 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ one line
 
-    async def _run_line(self, running: _Running, line: PendingLine) -> None:
+    async def _run_line(self, running: _Running, line: PendingLine, wait_s: float) -> None:
         try:
             try:
-                outcome = await self._outcome(running, line)
+                outcome = await self._outcome(running, line, wait_s)
+                if isinstance(outcome, float):  # refused for now: sent again after that wait, out of its place
+                    running.refused.append((time.monotonic() + outcome, min(RETRY_S[1], wait_s * 2), line))
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # behind the read position: a line left pending would be skipped
@@ -202,27 +216,23 @@ class BatchRunner:
             running.in_flight.pop(line.line, None)
             self._wake.set()
 
-    async def _outcome(self, running: _Running, line: PendingLine) -> LineOutcome:
-        """The line's result, once it is not worth sending again."""
+    async def _outcome(self, running: _Running, line: PendingLine, wait_s: float = RETRY_S[0]) -> LineOutcome | float:
+        """The line's result, or the seconds to wait before sending it again (a 429 or 503 with
+        time left in the batch's window: Retry-After, or `wait_s`)."""
         batch = running.batch
         try:
             key = self._key_for(running.owed.key_id)
         except Exception as exc:  # the key was revoked or the account unapproved since
             return LineOutcome(False, error_line(line.custom_id, None, {"code": "unauthorized", "message": str(exc)}))
-        wait_s = RETRY_S[0]
         transport = httpx.ASGITransport(app=_with_key(self.app, key))
         async with httpx.AsyncClient(transport=transport, base_url="http://batch.fastrun", timeout=None) as client:
-            while True:
-                response = await client.post(batch["endpoint"], content=line.body,
-                                             headers={"content-type": "application/json"})
-                if response.status_code not in RETRIED_STATUSES:
-                    break
-                retry_after = response.headers.get("retry-after", "")
-                delay = float(retry_after) if retry_after.isdigit() else wait_s
-                wait_s = min(RETRY_S[1], wait_s * 2)
-                if time.time() + delay >= batch["expires_at"]:
-                    break  # the answer it got is its result
-                await asyncio.sleep(delay)
+            response = await client.post(batch["endpoint"], content=line.body,
+                                         headers={"content-type": "application/json"})
+        if response.status_code in RETRIED_STATUSES:
+            retry_after = response.headers.get("retry-after", "")
+            delay = float(retry_after) if retry_after.isdigit() else wait_s
+            if time.time() + delay < batch["expires_at"]:
+                return delay  # else the answer it got is its result
         parsed = await asyncio.to_thread(_json_or_text, response.content)  # an embeddings list can be 25 MB
         result = {"status_code": response.status_code, "request_id": response.headers.get("x-request-id"),
                   "body": parsed}
@@ -231,6 +241,11 @@ class BatchRunner:
         prompt, cached, completion = _usage(parsed)
         return LineOutcome(True, {"id": new_id("batch_req"), "custom_id": line.custom_id, "response": result,
                                   "error": None}, prompt, cached, completion)
+
+
+def _due(running: _Running, now: float) -> tuple[float, float, PendingLine] | None:
+    """The refused line of `running` whose wait is over first, or None."""
+    return min((entry for entry in running.refused if entry[0] <= now), key=lambda entry: entry[0], default=None)
 
 
 def _json_or_text(content: bytes) -> Any:
