@@ -16,6 +16,14 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 60.0
 
 
+# Work the server owns (batch lines, background responses) that is refused for now is sent again
+# later: 429 (the server or its account full) and 503 (its model loading, or failing to load),
+# after Retry-After or a wait that starts here and doubles up to the second figure. A 504 is
+# final: the request ran, and was billed, to its timeout.
+RETRIED_STATUSES = frozenset({429, 503})
+RETRY_S = (1.0, 30.0)
+
+
 class AccountAtCap(Exception):
     """The account already has as many of a kind of stored work running (batches, background
     responses) as it may: raised by a store inside the transaction that would add one more."""

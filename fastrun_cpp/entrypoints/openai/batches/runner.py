@@ -36,12 +36,11 @@ from fastrun_cpp.entrypoints.openai.batches.store import (
     new_id,
 )
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
+from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S
 
 logger = logging.getLogger(__name__)
 
 BATCH_SCOPE_KEY = "fastrun.batch_key"  # set only here: no client can put a key into an ASGI scope
-RETRIED_STATUSES = frozenset({429, 503})
-RETRY_S = (1.0, 30.0)  # a retried line waits Retry-After, or this, doubling to the second
 EXPIRED = {"code": "batch_expired", "message": "this line was not run within the batch's completion window"}
 
 

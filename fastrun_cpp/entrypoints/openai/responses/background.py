@@ -19,15 +19,13 @@ from fastrun_cpp.auth import ActiveKey
 from fastrun_cpp.entrypoints.openai.errors import APIError
 from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob
 from fastrun_cpp.entrypoints.request_context import RequestRecord, set_current_record
-from fastrun_cpp.entrypoints.tenancy import UsageRecorder
+from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S, UsageRecorder
 
 if TYPE_CHECKING:
     from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
 
-RETRIED_STATUSES = frozenset({429, 503})  # the server full, or the model not loaded yet: try later
-RETRY_S = (1.0, 30.0)
 RETRY_DEADLINE_S = 3600.0  # a job the server could not start for an hour fails with the last refusal
 LIFECYCLE = frozenset({"response.created", "response.in_progress"})  # sent before the engine answers
 
