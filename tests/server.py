@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -39,6 +40,16 @@ class RunningServer:
 
     def busy_slots(self, model: str = DEFAULT_MODEL) -> int:
         return self.health()["models"][model]["busy_slots"]
+
+
+def models_file(path: Path, entries: list[dict]) -> Path:
+    """A registry (`--models-file`) at `path` listing `entries`, one [[models]] table each."""
+    lines = []
+    for entry in entries:
+        lines.append("[[models]]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in entry.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @contextmanager

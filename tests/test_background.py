@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from fastrun_cpp.default_model import embedded_model_path
-from tests.server import DEFAULT_MODEL, run_server, wait_until
+from tests.server import DEFAULT_MODEL, models_file, run_server, wait_until
 from tests.test_batches import busy_slots, client, server  # noqa: F401 (fixtures: a server of this module's own)
 
 QUESTION = "Name three rivers."
@@ -125,9 +125,8 @@ def babble(tmp_path_factory, tiny_model_path):
     """A server of a random 2-layer model (long answers: a background job that is still running
     when the test acts), and two batches or background responses at once per account."""
     directory = tmp_path_factory.mktemp("babble")
-    models = directory / "models.toml"
-    models.write_text(f'[[models]]\nid = "babble"\npath = "{tiny_model_path}"\nslots = 2\nctx_size = 8192\n'
-                      'prompt_cache_mib = 64\n')
+    models = models_file(directory / "models.toml", [
+        {"id": "babble", "path": str(tiny_model_path), "slots": 2, "ctx_size": 8192, "prompt_cache_mib": 64}])
     with run_server("--models-file", str(models), "--batches-per-account", "2", log_dir=directory) as running:
         yield running
 
@@ -175,10 +174,9 @@ def test_jobs_whose_model_cannot_load_wait_out_of_turn(tmp_path):
     meanwhile (the three places were held through the waits: every later job stalled)."""
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + bytes(4096))
-    models = tmp_path / "models.toml"
-    models.write_text(f'[[models]]\nid = "smol"\npath = "{embedded_model_path()}"\nslots = 2\nctx_size = 1024\n'
-                      f'prompt_cache_mib = 64\n\n[[models]]\nid = "broken"\npath = "{broken}"\nslots = 1\n'
-                      'ctx_size = 1024\npreload = false\n')
+    models = models_file(tmp_path / "models.toml", [
+        {"id": "smol", "path": str(embedded_model_path()), "slots": 2, "ctx_size": 1024, "prompt_cache_mib": 64},
+        {"id": "broken", "path": str(broken), "slots": 1, "ctx_size": 1024, "preload": False}])
     with run_server("--models-file", str(models), log_dir=tmp_path) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         stuck = [client.responses.create(model="broken", input="Hi.", background=True, max_output_tokens=4)

@@ -19,7 +19,7 @@ from fastrun_cpp.registry import ModelConfig
 from fastrun_cpp.runtime.memory import estimate, read_shape
 from fastrun_cpp.runtime.model_runtime import kv_cache_types
 from tests.fake_hub import fake_hub
-from tests.server import run_server, wait_until
+from tests.server import models_file, run_server, wait_until
 from tests.test_keys import create_key, keys_cli
 
 pytestmark = pytest.mark.timeout(900)
@@ -32,13 +32,7 @@ SMALL = {"slots": 2, "ctx_size": 1024, "prompt_cache_mib": 64}
 def registry(tmp_path: Path, gemma_path: Path, *, smol: dict | None = None, gemma: dict | None = None) -> Path:
     entries = [{"id": "smol", "path": str(embedded_model_path()), **SMALL, **(smol or {})},
                {"id": "gemma", "path": str(gemma_path), **SMALL, "preload": False, **(gemma or {})}]
-    lines = []
-    for entry in entries:
-        lines.append("[[models]]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in entry.items()]
-    path = tmp_path / "models.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return models_file(tmp_path / "models.toml", entries)
 
 
 def ram_need(model_id: str, path: Path) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.server
 import io
-import json
 import os
 import re
 import shutil
@@ -25,7 +24,8 @@ from fastrun_cpp.auth import KeyStore
 from fastrun_cpp.default_model import embedded_model_path
 from fastrun_cpp.entrypoints.ui import CONTENT_SECURITY_POLICY
 from fastrun_cpp.ui import ASSETS
-from tests.server import run_server, wait_until
+from tests.server import models_file, run_server, wait_until
+from tests.test_batches import chat_line, jsonl
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,15 +36,6 @@ STATS = re.compile(r"(\d+) tokens · [\d.]+ tokens/s · prompt (\d+) \((\d+) cac
 SMALL = {"slots": 2, "ctx_size": 2048, "prompt_cache_mib": 64}
 
 
-def registry(path: Path, entries: list[dict]) -> Path:
-    lines = []
-    for entry in entries:
-        lines.append("[[models]]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in entry.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 @pytest.fixture(scope="module")
 def ui_server(tmp_path_factory, gemma_path, tiny_model_path, projector):
     """An open loopback server with: smol (SmolLM2, loaded), gemma (not loaded), babble (a random
@@ -53,7 +44,7 @@ def ui_server(tmp_path_factory, gemma_path, tiny_model_path, projector):
     vision (Gemma with a projector, not loaded)."""
     tmp = tmp_path_factory.mktemp("ui")
     smol = str(embedded_model_path())
-    models = registry(tmp / "models.toml", [
+    models = models_file(tmp / "models.toml", [
         {"id": "smol", "path": smol, **SMALL},
         {"id": "gemma", "path": str(gemma_path), **SMALL, "slots": 1, "preload": False},
         {"id": "babble", "path": str(tiny_model_path), **SMALL, "ctx_size": 8192},
@@ -479,10 +470,7 @@ def test_the_operator_view_shows_a_busy_slot_while_a_stream_runs(tab, ui_server)
     page.wait_for_selector(f'#server-background tbody tr:has(td:text-is("{response["id"]}"))', state="detached",
                            timeout=120_000)
     # A batch at work is listed with its progress.
-    lines = b"".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                 "body": {"model": "babble", "max_tokens": 7000,
-                                          "messages": [{"role": "user", "content": "Go on."}]}}).encode() + b"\n"
-                     for i in range(2))
+    lines = jsonl([chat_line(f"line-{i}", "Go on.", max_tokens=7000, model="babble") for i in range(2)])
     with httpx.Client(base_url=ui_server.base_url, timeout=60) as http:
         uploaded = http.post("/files", files={"file": ("lines.jsonl", lines)}, data={"purpose": "batch"}).json()
         batch = http.post("/batches", json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",

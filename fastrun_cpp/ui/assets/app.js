@@ -190,7 +190,7 @@ $("model-select").addEventListener("change", async () => {
 
 let conversations = loadConversations();
 let currentId = conversations[0]?.id || null;
-let generation = null;  // the answer streaming now: { controller, message }
+let generation = null;  // the AbortController of the answer streaming now
 
 function loadConversations() {
   try {
@@ -236,7 +236,7 @@ function renderConversationList() {
 }
 
 function openConversation(id) {
-  if (generation) generation.controller.abort();
+  if (generation) generation.abort();
   currentId = id;
   const conversation = currentConversation();
   if (conversation?.model && models.some((card) => card.id === conversation.model)) {
@@ -247,7 +247,7 @@ function openConversation(id) {
 }
 
 function deleteConversation(id) {
-  if (generation && id === currentId) generation.controller.abort();
+  if (generation && id === currentId) generation.abort();
   conversations = conversations.filter((c) => c.id !== id);
   if (currentId === id) currentId = conversations[0]?.id || null;
   saveConversations();
@@ -255,7 +255,7 @@ function deleteConversation(id) {
 }
 
 $("new-chat").addEventListener("click", () => {
-  if (generation) generation.controller.abort();
+  if (generation) generation.abort();
   newConversation();
   renderAll();
   $("prompt").focus();
@@ -375,7 +375,7 @@ $("composer").addEventListener("submit", (event) => {
   answer(conversation);
 });
 
-$("stop").addEventListener("click", () => generation?.controller.abort());
+$("stop").addEventListener("click", () => generation?.abort());
 
 function number(id) {
   const value = $(id).value;
@@ -422,7 +422,7 @@ async function answer(conversation) {
   const content = item.querySelector(".content");
   const stats = item.querySelector(".stats");
   const controller = new AbortController();
-  generation = { controller, message };
+  generation = controller;
   setBusy(true);
   const started = performance.now();
   let firstToken = null;

@@ -100,9 +100,9 @@ class OpenAIServingBatches:
         if stored.purpose != "batch":
             raise bad_request(f"input_file_id: {stored.id} was uploaded with purpose {stored.purpose!r}, not 'batch'")
         owner = account()
-        if await self.files.in_store(self.store.active_batches, owner) >= self.per_account:
-            raise APIError(429, f"this account already has {self.per_account} batches running, the most it may "
-                                "(wait for one to end, or cancel one)", "rate_limit_error", retry_after=60)
+        # Checked before the file is read and parsed, and again where the batch is added (requests
+        # sent together all pass this first check).
+        await self._within_cap(self.store.check_room, owner, self.per_account)
         if await self.files.in_store(self.store.files_full, owner):
             raise APIError(429, "this account's files fill its budget (batch outputs count); delete some first: "
                                 "DELETE /v1/files/{file_id}", "rate_limit_error")
@@ -121,13 +121,16 @@ class OpenAIServingBatches:
         }
         record = current_record()
         key_id = record.key_id if record is not None else None
-        try:
-            await self.files.in_store(self.store.create_batch, owner, key_id, batch, lines,
-                                      per_account=self.per_account)
-        except AccountAtCap as exc:  # another of the account's requests took the last place meanwhile
-            raise APIError(429, str(exc), "rate_limit_error", retry_after=60) from None
+        await self._within_cap(self.store.create_batch, owner, key_id, batch, lines, per_account=self.per_account)
         self.runner.add(OwedBatch(owner or "", key_id, dict(batch)))
         return batch
+
+    async def _within_cap(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`function` in the store's thread; an account at its cap of running batches is a 429."""
+        try:
+            return await self.files.in_store(function, *args, **kwargs)
+        except AccountAtCap as exc:
+            raise APIError(429, str(exc), "rate_limit_error", retry_after=60) from None
 
     async def batch(self, batch_id: str) -> dict[str, Any]:
         batch = await self.files.in_store(self.store.batch, account(), batch_id)

@@ -241,15 +241,18 @@ class BatchStore:
 
     # ------------------------------------------------------------------ batches
 
-    def active_batches(self, account: str | None) -> int:
+    def check_room(self, account: str | None, per_account: int) -> None:
+        """AccountAtCap when the account has `per_account` batches running."""
         with self._lock, closing(self._connect()) as db:
-            return self._active_batches(db, account)
+            self._check_room(db, account, per_account)
 
     @staticmethod
-    def _active_batches(db: sqlite3.Connection, account: str | None) -> int:
+    def _check_room(db: sqlite3.Connection, account: str | None, per_account: int) -> None:
         (count,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE account = ? AND status IN "
                               f"({','.join('?' * len(ACTIVE))})", (_owner(account), *ACTIVE)).fetchone()
-        return count
+        if count >= per_account:
+            raise AccountAtCap(f"this account already has {per_account} batches running, the most it may "
+                               "(wait for one to end, or cancel one)")
 
     def create_batch(self, account: str | None, key_id: int | None, batch: dict[str, Any],
                      lines: list[ParsedLine], *, per_account: int) -> None:
@@ -257,9 +260,7 @@ class BatchStore:
         with its error line. The account's count of running batches is checked in the same
         transaction (AccountAtCap), so requests sent together cannot all pass a check made before."""
         with self._lock, closing(self._connect()) as db, db:
-            if self._active_batches(db, account) >= per_account:
-                raise AccountAtCap(f"this account already has {per_account} batches running, the most it may "
-                                   "(wait for one to end, or cancel one)")
+            self._check_room(db, account, per_account)
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
                        (batch["id"], _owner(account), key_id, batch["created_at"], batch["status"], json.dumps(batch)))
             db.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, request, state, result) "
