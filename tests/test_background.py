@@ -13,6 +13,7 @@ import pytest
 
 from fastrun_cpp.default_model import embedded_model_path
 from tests.server import DEFAULT_MODEL, models_file, run_server, wait_until
+from tests.test_keys import bearer, create_key, keys_cli
 from tests.test_batches import busy_slots, client, server  # noqa: F401 (fixtures: a server of this module's own)
 
 QUESTION = "Name three rivers."
@@ -188,3 +189,26 @@ def test_jobs_whose_model_cannot_load_wait_out_of_turn(tmp_path):
         assert all(client.responses.retrieve(job.id).status == "queued" for job in stuck)  # still tried again
         for job in stuck:
             assert client.responses.cancel(job.id).status == "cancelled"
+
+
+def test_a_background_job_runs_within_its_accounts_limits(tmp_path, tiny_model_path):
+    """A job runs as a request of its account: it takes one of the account's max_concurrent
+    places while it runs (it took none, so a key limited to one request at a time had two
+    running), and other accounts are not held by it. Its cancel gets through while that place is
+    taken (a cancel was refused by the limit of the very job it stops)."""
+    db = tmp_path / "keys.sqlite3"
+    keys = {name: create_key(db, name) for name in ("alice", "bob")}
+    assert keys_cli(db, "limit", "alice", "--concurrent", "1").returncode == 0
+    models = models_file(tmp_path / "models.toml", [
+        {"id": "babble", "path": str(tiny_model_path), "slots": 2, "ctx_size": 8192, "prompt_cache_mib": 64}])
+    short = {"model": "babble", "input": "Hi.", "max_output_tokens": 4}
+    with run_server("--models-file", str(models), log_dir=tmp_path, env={"FASTRUN_KEYS_DB": str(db)}) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60, headers=bearer(keys["alice"])) as alice, \
+            httpx.Client(base_url=server.base_url, timeout=60, headers=bearer(keys["bob"])) as bob:
+        job = alice.post("/responses", json=LONG).json()
+        assert wait_until(lambda: alice.get(f"/responses/{job['id']}").json()["status"] == "in_progress", 120)
+        refused = alice.post("/responses", json=short)
+        assert refused.status_code == 429 and "max_concurrent" in refused.json()["error"]["message"], refused.text
+        assert bob.post("/responses", json=short).status_code == 200
+        assert alice.post(f"/responses/{job['id']}/cancel").json()["status"] == "cancelled"
+        assert alice.post("/responses", json=short).status_code == 200  # its place is free again

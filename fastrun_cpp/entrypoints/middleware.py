@@ -236,7 +236,9 @@ class APIKeyMiddleware:
             record.cache_namespace = key.cache_namespace
             record.weight = key.weight
             record.min_priority = key.min_priority
-        if scope.get("method") != "POST":  # listings and docs: outside the account's limits
+        # Listings, docs and cancels are outside the account's limits: a cancel must get through
+        # when the account's places are all taken, by the very work it stops.
+        if scope.get("method") != "POST" or path.endswith("/cancel"):
             await self.app(scope, receive, send)
             return
         try:

@@ -19,7 +19,7 @@ from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
 from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
-from fastrun_cpp.entrypoints.tenancy import UsageRecorder
+from fastrun_cpp.entrypoints.tenancy import AccountGate, UsageRecorder
 from fastrun_cpp.entrypoints.ui import ui_router
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.middleware import (
@@ -133,6 +133,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
                                  user_keep_alive_max_s=parse_keep_alive(settings.user_keep_alive_max))
     grammar_builder = GrammarBuilder(settings.limits, hang_on_request=Faults.parse(settings.debug_faults).schema_hang)
     usage = UsageRecorder(authenticator.store)
+    gate = AccountGate()  # the accounts' limits: for the requests keys send and the jobs run as them
     metrics = ServerMetrics(models.engines, grammar_failures=lambda: (models.grammar_compile_failures(),
                                                                       grammar_builder.killed)) \
         if settings.metrics else None
@@ -198,7 +199,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     bulk_in_flight = settings.batch_lines_in_flight or sum(config.slots * config.replicas for config in registry.models)
     app.state.serving_responses = responses = OpenAIServingResponses(
         chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))),
-        key_for=authenticator.key_by_id, usage=usage, background_in_flight=bulk_in_flight,
+        key_for=authenticator.key_by_id, gate=gate, usage=usage, background_in_flight=bulk_in_flight,
         background_per_account=settings.batches_per_account)
     app.state.serving_messages = AnthropicServingMessages(chat)
     batches = batch_store(settings)
@@ -221,7 +222,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     install_error_handlers(app)
     # Added last = outermost: request context, CORS (answers preflights), keys, body size.
     app.add_middleware(BodyLimitMiddleware, max_body_size=MAX_BODY_BYTES, timeout_s=settings.limits.body_timeout_s)
-    app.add_middleware(APIKeyMiddleware, authenticator=authenticator)
+    app.add_middleware(APIKeyMiddleware, authenticator=authenticator, gate=gate)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "X-Fastrun-Replica", "Retry-After"])

@@ -19,7 +19,7 @@ from fastrun_cpp.auth import ActiveKey
 from fastrun_cpp.entrypoints.openai.errors import APIError
 from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob
 from fastrun_cpp.entrypoints.request_context import RequestRecord, set_current_record
-from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S, UsageRecorder
+from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S, AccountGate, LimitReached, UsageRecorder
 
 if TYPE_CHECKING:
     from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
@@ -42,9 +42,10 @@ class _Running:
 
 class BackgroundResponses:
     def __init__(self, serving: OpenAIServingResponses, *, key_for: Callable[[int | None], ActiveKey | None],
-                 usage: UsageRecorder | None, in_flight: int, per_account: int) -> None:
+                 gate: AccountGate, usage: UsageRecorder | None, in_flight: int, per_account: int) -> None:
         self.serving = serving
         self._key_for = key_for
+        self._gate = gate  # the accounts' limits, shared with the requests keys send
         self._usage = usage
         self._turns = asyncio.Semaphore(in_flight)  # jobs in the engine at once: the queue stays for interactive work
         self.per_account = per_account
@@ -100,25 +101,14 @@ class BackgroundResponses:
         try:
             while True:
                 async with self._turns:
-                    try:
-                        events = await self.serving.answer_background(job)
-                    except APIError as exc:
-                        if exc.status_code not in RETRIED_STATUSES or time.monotonic() >= give_up_at:
-                            await self.serving.end_background(job, running.events, failed=exc)
-                            return
-                        refused = exc
-                    else:
-                        async for event in events:
-                            if running.status == "queued" and event.event not in LIFECYCLE:
-                                # The answer's first item: the engine has given it a slot and is answering.
-                                running.status = "in_progress"
-                                await self.serving.mark_background(job, "in_progress")
-                            running.events.append(event.data)
-                            running.changed.set()
-                        await self.serving.end_background(job, running.events)
-                        return
+                    refused = await self._attempt(running, key, record)
+                if refused is None:
+                    return
+                if time.monotonic() >= give_up_at:
+                    await self.serving.end_background(job, running.events, failed=refused)
+                    return
                 # Waited out of turn: a job its model cannot take now (not loaded, or failing to
-                # load) leaves its place to every other account's jobs meanwhile.
+                # load), or its account's limits, leaves its place to every other account's jobs.
                 await asyncio.sleep(refused.retry_after or wait_s)
                 wait_s = min(RETRY_S[1], wait_s * 2)
         except asyncio.CancelledError:
@@ -133,6 +123,38 @@ class BackgroundResponses:
             running.done = True
             running.changed.set()
             self._running.pop(job.response_id, None)
+
+    async def _attempt(self, running: _Running, key: ActiveKey | None, record: RequestRecord) -> APIError | None:
+        """Run the job once, as its account's request: admitted through the account's gate (its
+        rpm, tpm and max_concurrent apply, as to a request the key sent), its tokens held while
+        it runs. The refusal to wait out (429, 503), or None once the job has ended."""
+        job = running.job
+        try:
+            ticket = self._gate.admit(key) if key is not None else None
+        except LimitReached as exc:
+            return APIError(429, exc.message, "rate_limit_error", retry_after=exc.retry_after_s)
+        record.ticket = ticket
+        try:
+            try:
+                events = await self.serving.answer_background(job)
+            except APIError as exc:
+                if exc.status_code in RETRIED_STATUSES:
+                    return exc
+                await self.serving.end_background(job, running.events, failed=exc)
+                return None
+            async for event in events:
+                if running.status == "queued" and event.event not in LIFECYCLE:
+                    # The answer's first item: the engine has given it a slot and is answering.
+                    running.status = "in_progress"
+                    await self.serving.mark_background(job, "in_progress")
+                running.events.append(event.data)
+                running.changed.set()
+            await self.serving.end_background(job, running.events)
+            return None
+        finally:
+            record.ticket = None
+            if ticket is not None:
+                ticket.finish(record.prompt_tokens + record.completion_tokens)
 
     def cancel(self, response_id: str) -> bool:
         """Stop a running job (it ends `cancelled`); False if none runs."""

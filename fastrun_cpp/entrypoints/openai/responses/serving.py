@@ -50,7 +50,7 @@ from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.entrypoints.request_context import current_record
-from fastrun_cpp.entrypoints.tenancy import UsageRecorder
+from fastrun_cpp.entrypoints.tenancy import AccountGate, UsageRecorder
 from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
 
 logger = logging.getLogger(__name__)
@@ -268,13 +268,13 @@ def as_input_items(output: list[OutputItem]) -> list[dict[str, Any]]:
 class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal, *,
                  key_for: Callable[[int | None], ActiveKey | None] = lambda key_id: None,
-                 usage: UsageRecorder | None = None, background_in_flight: int = 4,
-                 background_per_account: int = 16) -> None:
+                 gate: AccountGate | None = None, usage: UsageRecorder | None = None,
+                 background_in_flight: int = 4, background_per_account: int = 16) -> None:
         self.chat = chat
         self.store = store
         self.seal = seal
-        self.background = BackgroundResponses(self, key_for=key_for, usage=usage, in_flight=background_in_flight,
-                                              per_account=background_per_account)
+        self.background = BackgroundResponses(self, key_for=key_for, gate=gate or AccountGate(), usage=usage,
+                                              in_flight=background_in_flight, per_account=background_per_account)
         self.in_store = StoreThread("fastrun-responses").run
 
     # ------------------------------------------------------------------ stored responses
