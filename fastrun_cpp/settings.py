@@ -190,6 +190,10 @@ class Settings(BaseSettings):
     batch_max_lines: int = Field(50000, ge=1, description="Lines (requests) one batch file may hold, as OpenAI's.")
     batches_per_account: int = Field(16, ge=1, description="Batches an account may have running at once, and "
                                      "background responses likewise.")
+    job_lease_s: float = Field(
+        30.0, ge=3, le=3600, description="Servers sharing a data directory run each batch and background response "
+        "once: the server running one renews its lease on it every third of this; a job whose server died is taken "
+        "over when its lease lapses (at once by a server on the same host).")
     batch_lines_in_flight: int | None = Field(
         None, ge=1, description="Batch lines sent to the engines at once, over all batches, and background "
         "responses likewise (both run at bulk priority, behind every interactive request); unset: one per slot of "

@@ -212,3 +212,33 @@ def test_a_background_job_runs_within_its_accounts_limits(tmp_path, tiny_model_p
         assert bob.post("/responses", json=short).status_code == 200
         assert alice.post(f"/responses/{job['id']}/cancel").json()["status"] == "cancelled"
         assert alice.post("/responses", json=short).status_code == 200  # its place is free again
+
+
+def test_two_servers_on_one_data_directory_run_a_job_once(tmp_path, tiny_model_path):
+    """Servers sharing a data directory hold a lease on each job they run: a job runs on one of
+    them; a cancel sent to the other stops it (it answered the job as still running, and the
+    job ran on); when the server running a job is killed, the other takes the job over (it did
+    so only when started again), and a DELETE sent to either stops it."""
+    env = {"FASTRUN_KEYS_DB": str(tmp_path / "keys.sqlite3"), "FASTRUN_PROMPT_CACHE_DIR": str(tmp_path / "cache")}
+    models = models_file(tmp_path / "models.toml", [
+        {"id": "babble", "path": str(tiny_model_path), "slots": 2, "ctx_size": 8192, "prompt_cache_mib": 64}])
+    arguments = ("--models-file", str(models), "--job-lease-s", "3")
+    with run_server(*arguments, log_dir=tmp_path, env=env) as first, \
+            run_server(*arguments, log_dir=tmp_path, env=env) as second, \
+            httpx.Client(base_url=first.base_url, timeout=60) as to_first, \
+            httpx.Client(base_url=second.base_url, timeout=60) as to_second:
+        job = to_first.post("/responses", json=LONG).json()["id"]
+        assert wait_until(lambda: to_second.get(f"/responses/{job}").json()["status"] == "in_progress", 120)
+        assert first.busy_slots("babble") == 1 and second.busy_slots("babble") == 0  # run once, where it was sent
+        assert to_second.post(f"/responses/{job}/cancel").json()["status"] == "cancelled"
+        assert wait_until(lambda: first.busy_slots("babble") == 0, 60), "the cancel sent elsewhere left it running"
+        assert to_first.get(f"/responses/{job}").json()["status"] == "cancelled"
+
+        job = to_first.post("/responses", json=LONG).json()["id"]
+        assert wait_until(lambda: to_second.get(f"/responses/{job}").json()["status"] == "in_progress", 120)
+        first.process.kill()
+        first.process.wait()
+        assert wait_until(lambda: second.busy_slots("babble") == 1, 60), "the job was not taken over"
+        assert to_second.delete(f"/responses/{job}").json()["deleted"] is True
+        assert wait_until(lambda: second.busy_slots("babble") == 0, 60)
+        assert to_second.get(f"/responses/{job}").status_code == 404

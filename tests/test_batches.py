@@ -54,6 +54,13 @@ def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
+def _line_runs(server) -> int:
+    """The chat lines a server answered (lines sent while the model loads are answered 503 and
+    sent again: those are not answers)."""
+    return sum(1 for line in server.log().splitlines() if '"path": "/v1/chat/completions"' in line
+               and '"status": 200' in line)
+
+
 def same_as_direct(client: openai.OpenAI, outputs: dict[str, dict], bodies: dict[str, dict]) -> None:
     """Each output line's answer is the one its body gets sent directly (two at a time: at
     temperature 0 answers do not depend on batching)."""
@@ -372,10 +379,7 @@ def test_a_batch_survives_kill_9_and_no_line_is_answered_twice(tmp_path):
     with run_server(*arguments, log_dir=tmp_path, env=env) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         batch = finished(client, batch.id)
-        log = server.log()
-        # (lines sent while the model loads are answered 503 and sent again: those are not answers)
-        rerun = sum(1 for line in log.splitlines() if '"path": "/v1/chat/completions"' in line and
-                    '"status": 200' in line)
+        rerun = _line_runs(server)
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 10, 0)
         outputs = file_lines(client, batch.output_file_id)
@@ -383,6 +387,45 @@ def test_a_batch_survives_kill_9_and_no_line_is_answered_twice(tmp_path):
         assert rerun <= 8  # at least the 2 lines done before the kill were not run again
         same_as_direct(client, {line["custom_id"]: line for line in outputs},
                        {line["custom_id"]: line["body"] for line in lines})
+
+
+def test_two_servers_on_one_data_directory_run_each_line_once(tmp_path):
+    """Servers sharing a data directory (the default for one user) hold a lease on each batch
+    they run: after a kill -9, two servers started on the same store run the lines left once
+    between them (both resumed every line: 36 runs for 20 lines), and when the one running the
+    batch is killed too, the other takes it over and finishes it. One line runs at a time, so
+    the batch outlasts the start of the servers by far."""
+    env = {"FASTRUN_KEYS_DB": str(tmp_path / "keys.sqlite3"), "FASTRUN_PROMPT_CACHE_DIR": str(tmp_path / "cache")}
+    arguments = ("--slots", "2", "--ctx-size", "1024", "--batch-lines-in-flight", "1", "--job-lease-s", "3")
+    questions = {f"k{i}": f"List some words that start with the letter {chr(97 + i)}." for i in range(24)}
+    lines = [chat_line(custom_id, question, max_tokens=48, logit_bias=NO_EOS)
+             for custom_id, question in questions.items()]
+    with run_server(*arguments, log_dir=tmp_path, env=env) as first:
+        client = openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0)
+        batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 4, 600)
+        done_before = client.batches.retrieve(batch.id).request_counts.completed
+        first.process.kill()
+        first.process.wait()
+    with run_server(*arguments, log_dir=tmp_path, env=env) as second, \
+            run_server(*arguments, log_dir=tmp_path, env=env) as third:
+        servers = (second, third)
+        client = openai.OpenAI(base_url=third.base_url, api_key="unused", max_retries=0)
+        # Both servers up, and lines answered meanwhile: by then both ran lines, before leases.
+        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= done_before + 8, 600)
+        holder, survivor = sorted(servers, key=_line_runs, reverse=True)
+        assert _line_runs(survivor) == 0, "both servers ran the batch's lines"
+        holder.process.kill()  # the one running it dies too: the other takes it over
+        holder.process.wait()
+        client = openai.OpenAI(base_url=survivor.base_url, api_key="unused", max_retries=0)
+        batch = finished(client, batch.id)
+        assert batch.status == "completed", batch
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (24, 24, 0)
+        outputs = file_lines(client, batch.output_file_id)
+        assert sorted(line["custom_id"] for line in outputs) == sorted(questions)  # each once
+        # Each line left ran once, but for the one in flight when each server was killed.
+        assert _line_runs(holder) + _line_runs(survivor) <= len(lines) - done_before + 2
 
 
 def test_an_accounts_files_are_bounded_and_batch_outputs_count(tmp_path):

@@ -19,6 +19,7 @@ from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
 from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
+from fastrun_cpp.entrypoints.leases import Leases
 from fastrun_cpp.entrypoints.tenancy import AccountGate, UsageRecorder
 from fastrun_cpp.entrypoints.ui import ui_router
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
@@ -106,19 +107,19 @@ def authenticator_for(settings: Settings) -> Authenticator:
     )
 
 
-def response_store(settings: Settings) -> ResponseStore:
+def response_store(settings: Settings, leases: Leases) -> ResponseStore:
     path = settings.responses_db or settings.keys_db.with_name(settings.keys_db.stem + ".responses.sqlite3")
     return ResponseStore(path, StoreBudget(
         items=settings.responses_max, bytes=int(settings.responses_max_gib * 2**30),
         account_items=settings.responses_per_account, account_bytes=int(settings.responses_per_account_mib * 2**20),
-        row_bytes=int(settings.responses_max_mib * 2**20), retention_s=settings.responses_retention_s))
+        row_bytes=int(settings.responses_max_mib * 2**20), retention_s=settings.responses_retention_s), leases)
 
 
-def batch_store(settings: Settings) -> BatchStore:
+def batch_store(settings: Settings, leases: Leases) -> BatchStore:
     path = settings.batches_db or settings.keys_db.with_name(settings.keys_db.stem + ".batches.sqlite3")
     return BatchStore(path, FilesBudget(account_files=settings.files_per_account,
                                         account_bytes=int(settings.files_per_account_mib * 2**20),
-                                        total_bytes=int(settings.files_max_gib * 2**30)))
+                                        total_bytes=int(settings.files_max_gib * 2**30)), leases)
 
 
 def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:
@@ -195,14 +196,15 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_completion = OpenAIServingCompletion(models, **serving_options)
     app.state.serving_embedding = OpenAIServingEmbedding(models, **serving_options)
     app.state.serving_rerank = OpenAIServingRerank(models, **serving_options)
-    store = response_store(settings)
+    leases = Leases(settings.job_lease_s)  # this server's, on the jobs it runs
+    store = response_store(settings, leases)
     bulk_in_flight = settings.batch_lines_in_flight or sum(config.slots * config.replicas for config in registry.models)
     app.state.serving_responses = responses = OpenAIServingResponses(
         chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))),
         key_for=authenticator.key_by_id, gate=gate, usage=usage, background_in_flight=bulk_in_flight,
         background_per_account=settings.batches_per_account)
     app.state.serving_messages = AnthropicServingMessages(chat)
-    batches = batch_store(settings)
+    batches = batch_store(settings, leases)
     batch_thread = StoreThread("fastrun-batches")
     app.state.serving_files = files = OpenAIServingFiles(batches, batch_thread, max_lines=settings.batch_max_lines)
     app.state.batch_runner = batch_runner = BatchRunner(app, batches, batch_thread, key_for=authenticator.key_by_id,

@@ -12,6 +12,10 @@ finds the server or its account full (429) or its model not ready (503) is sent 
 the batch's completion window closes; it waits out of its place, so one account's rate limit never
 holds the places other accounts' lines run in. A line that timed out (504) is not sent again: it
 ran, and was billed, to its timeout; its 504 is its result.
+
+The runner works on the batches whose lease it holds (`leases.py`), renews those leases as it
+goes, takes over the batches of a server that died, and drops a batch whose lease another
+server took: servers sharing a data directory never run a batch twice.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from fastrun_cpp.entrypoints.openai.batches.store import (
     error_line,
     new_id,
 )
+from fastrun_cpp.entrypoints.leases import LeaseLost
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S
 
@@ -80,12 +85,10 @@ class BatchRunner:
         self._running: dict[str, _Running] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._renew_at = 0.0
 
     async def start(self) -> None:
-        for owed in await self._in_store(self.store.owed_batches):
-            self._running[owed.batch["id"]] = _Running(owed)
-        if self._running:
-            logger.info("resuming %d batches", len(self._running))
+        await self._take_owed()
         self._task = asyncio.create_task(self._run_forever(), name="fastrun-batches")
 
     async def stop(self) -> None:
@@ -131,7 +134,39 @@ class BatchRunner:
             except asyncio.TimeoutError:
                 pass
 
+    async def _take_owed(self) -> None:
+        """Take the batches with work left that no live server holds: at start, a restart's
+        work; later, that of a server that died."""
+        owed = await self._in_store(self.store.owed_batches, frozenset(self._running))
+        for batch in owed:
+            self._running[batch.batch["id"]] = _Running(batch)
+        if owed:
+            logger.info("resuming %d batches", len(owed))
+        self._renew_at = time.monotonic() + self.store.leases.renew_every_s
+
+    async def _renew(self) -> None:
+        """Renew the leases of the batches this runner works on; drop those another server took,
+        and learn of cancels sent to another server."""
+        held = await self._in_store(self.store.renew, list(self._running))
+        for batch_id, running in list(self._running.items()):
+            status = held.get(batch_id)
+            if status is None:
+                self._drop(running)
+            elif status == "cancelling" and running.batch["status"] == "in_progress":
+                running.batch["status"] = status
+        await self._take_owed()
+
+    def _drop(self, running: _Running) -> None:
+        """Another server holds the batch now: stop its lines here, and write nothing more of it."""
+        if self._running.pop(running.batch["id"], None) is not None:
+            logger.warning("batch %s is run by another server now", running.batch["id"])
+        for task in running.in_flight.values():
+            if task is not asyncio.current_task():
+                task.cancel()
+
     async def _tick(self) -> None:
+        if time.monotonic() >= self._renew_at:
+            await self._renew()
         now = int(time.time())
         for running in list(self._running.values()):
             batch = running.batch
@@ -149,7 +184,11 @@ class BatchRunner:
                 await self._finalize(running, *running.ending)
             elif batch["status"] == "finalizing" or (running.exhausted and not running.queued and not running.refused):
                 batch.update(status="finalizing", finalizing_at=batch.get("finalizing_at") or now)
-                await self._in_store(self.store.update_batch, batch)
+                try:
+                    await self._in_store(self.store.update_batch, batch)
+                except LeaseLost:
+                    self._drop(running)
+                    continue
                 await self._finalize(running, {"status": "completed", "completed_at": int(time.time())}, None)
         await self._fill()
 
@@ -185,7 +224,11 @@ class BatchRunner:
             running.in_flight[line.line] = task
 
     async def _finalize(self, running: _Running, change: dict[str, Any], unfinished: dict[str, Any] | None) -> None:
-        final = await self._in_store(self.store.finalize, running.owed.account, running.batch, change, unfinished)
+        try:
+            final = await self._in_store(self.store.finalize, running.owed.account, running.batch, change, unfinished)
+        except LeaseLost:
+            self._drop(running)
+            return
         self._running.pop(final["id"], None)
         counts = final["request_counts"]
         logger.info("batch %s %s: %d completed, %d failed of %d", final["id"], final["status"],
@@ -207,6 +250,8 @@ class BatchRunner:
                 outcome = LineOutcome(False, error_line(line.custom_id, None, {
                     "code": "server_error", "message": f"the line could not be run ({type(exc).__name__})"}))
             await self._in_store(self.store.finish_line, running.batch, line.line, outcome)
+        except LeaseLost:  # another server took the batch over: it runs the line, this answer is not kept
+            self._drop(running)
         except asyncio.CancelledError:
             pass  # cancelled, expired or shut down: the line stays pending
         except Exception:  # the store failed: the line stays pending, and runs again after a restart

@@ -4,6 +4,9 @@ One database holds the uploaded files, the batches and each batch's lines, so a 
 committed with its state in one transaction: after a restart (SIGTERM or kill -9) a line is
 either done, with its result, or still to run; none is lost and none is answered twice.
 
+A batch is run by the server that holds its lease (`leases.py`): servers sharing this database
+never run one twice, and line results and the batch's end are written only under its lease.
+
 Every row belongs to an account: another account's id is simply not found. All calls block:
 the serving code runs them on the store's own thread.
 """
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from fastrun_cpp.entrypoints.leases import SCHEMA as LEASES_SCHEMA
+from fastrun_cpp.entrypoints.leases import Leases
 from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.private import create_private
 
@@ -147,9 +152,10 @@ def _owner(account: str | None) -> str:
 
 
 class BatchStore:
-    def __init__(self, path: Path, budget: FilesBudget) -> None:
+    def __init__(self, path: Path, budget: FilesBudget, leases: Leases) -> None:
         self.path = Path(path).expanduser()
         self.budget = budget
+        self.leases = leases
         self._lock = threading.Lock()
         self._ready = False
 
@@ -159,7 +165,7 @@ class BatchStore:
         connection = sqlite3.connect(self.path, timeout=30)
         if not self._ready:
             connection.execute("PRAGMA journal_mode=WAL")  # readers (GET) never wait for a line's commit
-            connection.executescript(_SCHEMA)
+            connection.executescript(_SCHEMA + LEASES_SCHEMA)
             connection.commit()
             self._ready = True
         return connection
@@ -269,6 +275,7 @@ class BatchStore:
                              None if parsed.request is None else json.dumps(parsed.request),
                              "pending" if parsed.error is None else "failed",
                              None if parsed.error is None else json.dumps(parsed.error)) for parsed in lines))
+            self.leases.take(db, [batch["id"]])  # this server runs it
 
     def batch(self, account: str | None, batch_id: str) -> dict[str, Any] | None:
         with self._lock, closing(self._connect()) as db:
@@ -289,7 +296,9 @@ class BatchStore:
         return [json.loads(row[0]) for row in rows[:limit]], len(rows) > limit
 
     def update_batch(self, batch: dict[str, Any]) -> None:
+        """The runner's change to a batch it holds (LeaseLost if it holds it no more)."""
         with self._lock, closing(self._connect()) as db, db:
+            self.leases.check(db, batch["id"])
             db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
                        (batch["status"], json.dumps(batch), batch["id"]))
 
@@ -309,12 +318,24 @@ class BatchStore:
                            (batch["status"], json.dumps(batch), batch_id))
             return batch
 
-    def owed_batches(self) -> list[OwedBatch]:
-        """Every batch with work left, oldest first: what a restart resumes."""
-        with self._lock, closing(self._connect()) as db:
-            rows = db.execute(f"SELECT account, key_id, batch FROM batches WHERE status IN "
+    def owed_batches(self, running: set[str] | frozenset[str] = frozenset()) -> list[OwedBatch]:
+        """The batches with work left that no other live server holds, oldest first, their leases
+        taken: what a start resumes and what is taken over from a server that died (`running`:
+        those this server runs already)."""
+        with self._lock, closing(self._connect()) as db, db:
+            rows = db.execute(f"SELECT id, account, key_id, batch FROM batches WHERE status IN "
                               f"({','.join('?' * len(ACTIVE))}) ORDER BY rowid", ACTIVE).fetchall()
-        return [OwedBatch(account, key_id, json.loads(batch)) for account, key_id, batch in rows]
+            rows = [row for row in rows if row[0] not in running]
+            taken = set(self.leases.take(db, [row[0] for row in rows]))
+        return [OwedBatch(account, key_id, json.loads(batch)) for id, account, key_id, batch in rows if id in taken]
+
+    def renew(self, batch_ids: list[str]) -> dict[str, str]:
+        """Renew this server's leases on `batch_ids`; the status of each batch it still holds
+        (a cancel sent to another server shows here as `cancelling`)."""
+        with self._lock, closing(self._connect()) as db, db:
+            held = self.leases.renew(db, batch_ids)
+            return {id: status for id, status in db.execute(
+                f"SELECT id, status FROM batches WHERE id IN ({','.join('?' * len(held))})", list(held))}
 
     def pending_lines(self, batch_id: str, after: int, limit: int) -> list[PendingLine]:
         with self._lock, closing(self._connect()) as db:
@@ -327,6 +348,7 @@ class BatchStore:
         """Commit a line's result with its state, and the batch's counts with them. A line done
         already (a second answer after a restart raced it) keeps its first result."""
         with self._lock, closing(self._connect()) as db, db:
+            self.leases.check(db, batch["id"])
             cursor = db.execute(
                 "UPDATE batch_lines SET state = ?, result = ?, request = NULL, prompt_tokens = ?, "
                 "cached_tokens = ?, completion_tokens = ? WHERE batch_id = ? AND line = ? AND state = 'pending'",
@@ -363,9 +385,11 @@ class BatchStore:
     def finalize(self, account: str, batch: dict[str, Any], change: dict[str, Any],
                  unfinished: dict[str, Any] | None) -> dict[str, Any]:
         """Write the output and error files from the lines' results and end the batch with
-        `change`, in one transaction. Lines still pending get `unfinished` as their error (an
-        expired batch's), or are left out (a cancelled one's)."""
+        `change`, in one transaction, under the batch's lease (LeaseLost: another server ends
+        it). Lines still pending get `unfinished` as their error (an expired batch's), or are
+        left out (a cancelled one's)."""
         with self._lock, closing(self._connect()) as db, db:
+            self.leases.check(db, batch["id"])
             if unfinished is not None:
                 pending = db.execute("SELECT line, custom_id FROM batch_lines WHERE batch_id = ? AND "
                                      "state = 'pending'", (batch["id"],)).fetchall()
@@ -390,6 +414,7 @@ class BatchStore:
             db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
                        (batch["status"], json.dumps(batch), batch["id"]))
             db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch["id"],))
+            self.leases.release(db, batch["id"])
         return batch
 
 

@@ -2,7 +2,12 @@
 bulk priority behind every interactive request, followed or replayed as a stream
 (`GET /v1/responses/{id}?stream=true&starting_after=N`), cancelled, and run again after a
 restart (the job is stored with the response; a run cut by a restart starts over, and at
-temperature 0 or with a seed it gives the same answer)."""
+temperature 0 or with a seed it gives the same answer).
+
+A job runs on the server that holds its lease (`leases.py`): servers sharing a data directory
+never run one twice. Each renews its leases as it runs, takes over the jobs of a server that
+died, stops a job whose lease it lost (or that was deleted), and cancels a job when a cancel
+sent to another server asks it to."""
 
 from __future__ import annotations
 
@@ -16,8 +21,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from sse_starlette import ServerSentEvent
 
 from fastrun_cpp.auth import ActiveKey
+from fastrun_cpp.entrypoints.leases import LeaseLost
 from fastrun_cpp.entrypoints.openai.errors import APIError
-from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob
+from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob, StoredResponse
 from fastrun_cpp.entrypoints.request_context import RequestRecord, set_current_record
 from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S, AccountGate, LimitReached, UsageRecorder
 
@@ -50,15 +56,41 @@ class BackgroundResponses:
         self._turns = asyncio.Semaphore(in_flight)  # jobs in the engine at once: the queue stays for interactive work
         self.per_account = per_account
         self._running: dict[str, _Running] = {}
+        self._leases_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        owed = await self.serving.in_store(self.serving.store.owed_background)
+        await self._take_owed()
+        self._leases_task = asyncio.create_task(self._keep_leases(), name="fastrun-background-leases")
+
+    async def _take_owed(self) -> None:
+        """Run the jobs not done that no live server holds: at start, a restart's work; later,
+        that of a server that died."""
+        owed = await self.serving.in_store(self.serving.store.owed_background, frozenset(self._running))
         for job in owed:
             self.run(job)
         if owed:
             logger.info("running %d background responses again", len(owed))
 
+    async def _keep_leases(self) -> None:
+        store = self.serving.store
+        while True:
+            await asyncio.sleep(store.leases.renew_every_s)
+            try:
+                held = await self.serving.in_store(store.renew_background, list(self._running))
+                for response_id, running in list(self._running.items()):
+                    if response_id not in held:  # deleted, or taken over by another server
+                        self._stop(running, "lost")
+                    elif held[response_id]:  # a cancel sent to another server
+                        self.cancel(response_id)
+                await self._take_owed()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a store error must not end the renewals for good
+                logger.exception("background leases could not be renewed")
+
     async def stop(self) -> None:
+        if self._leases_task is not None:
+            self._leases_task.cancel()
         tasks = [running.task for running in self._running.values() if running.task is not None]
         for task in tasks:
             task.cancel()
@@ -115,6 +147,8 @@ class BackgroundResponses:
             if running.status != "cancelled":
                 raise  # the server stops: the job stays owed, and runs again after the restart
             await asyncio.shield(self.serving.end_background(job, running.events, cancelled=True))
+        except LeaseLost:  # its end is another server's to write
+            logger.warning("background response %s is run by another server now", job.response_id)
         finally:
             record.release()
             if self._usage is not None and record.account is not None and record.model is not None:
@@ -157,13 +191,31 @@ class BackgroundResponses:
                 ticket.finish(record.prompt_tokens + record.completion_tokens)
 
     def cancel(self, response_id: str) -> bool:
-        """Stop a running job (it ends `cancelled`); False if none runs."""
+        """Stop a job this server runs (it ends `cancelled`); False if it runs none."""
         running = self._running.get(response_id)
         if running is None or running.done or running.task is None:
             return False
-        running.status = "cancelled"
-        running.task.cancel()
+        self._stop(running, "cancelled")
         return True
+
+    @staticmethod
+    def _stop(running: _Running, status: str) -> None:
+        """`cancelled`: the job ends so, stored; `lost`: it ends here, and nothing of it is stored."""
+        if running.task is not None and not running.done:
+            running.status = status
+            running.task.cancel()
+
+    async def settled(self, account: str | None, response_id: str) -> StoredResponse | None:
+        """The stored response once it has ended (a job another server runs), or as it is after
+        a few of that server's renewals."""
+        store = self.serving.store
+        give_up_at = time.monotonic() + 3 * store.leases.renew_every_s
+        while True:
+            stored = await self.serving.in_store(store.get, account, response_id)
+            if stored is None or stored.response["status"] not in ("queued", "in_progress") or \
+                    time.monotonic() >= give_up_at:
+                return stored
+            await asyncio.sleep(0.25)
 
     async def wait_cancelled(self, response_id: str) -> None:
         running = self._running.get(response_id)
@@ -177,8 +229,12 @@ class BackgroundResponses:
         job, or the live job's so far, then each as it comes."""
         sent = after + 1
         running = self._running.get(response_id)
-        if running is None:
-            stored = await self.serving.in_store(self.serving.store.events, account, response_id) or []
+        if running is None:  # ended, or run by another server: its events are read once it ends
+            while (stored := await self.serving.in_store(self.serving.store.events, account, response_id)) is None:
+                response = await self.serving.in_store(self.serving.store.get, account, response_id)
+                if response is None or response.response["status"] not in ("queued", "in_progress"):
+                    return
+                await asyncio.sleep(0.5)
             for data in stored[sent:]:
                 yield _event(data)
             return

@@ -408,6 +408,9 @@ class OpenAIServingResponses:
         if self.background.cancel(response_id):
             await self.background.wait_cancelled(response_id)
             stored = await self.in_store(self.store.get, account, response_id) or stored
+        elif await self.in_store(self.store.stop_elsewhere, response_id):
+            # Another server runs it: it cancels the job when it next renews its lease.
+            stored = await self.background.settled(account, response_id) or stored
         return stored.response
 
     async def follow(self, response_id: str, starting_after: int) -> AsyncIterator[ServerSentEvent]:

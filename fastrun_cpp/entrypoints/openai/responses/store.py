@@ -4,7 +4,9 @@
 Each row belongs to an account: another account's id is simply not found. Rows older than the
 retention are dropped; past an account's budget (rows and bytes) its oldest go first, and past
 the server's ceiling the oldest of all, so one account cannot evict everyone's or fill the disk.
-All calls block: the serving code runs them on the store's own thread.
+A background response's job is run by the server holding its lease (`leases.py`), so servers
+sharing this database never run one twice. All calls block: the serving code runs them on the
+store's own thread.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastrun_cpp.entrypoints.leases import SCHEMA as LEASES_SCHEMA
+from fastrun_cpp.entrypoints.leases import Leases
 from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.private import create_private
 
@@ -93,9 +97,10 @@ class StoreBudget:
 
 
 class ResponseStore:
-    def __init__(self, path: Path, budget: StoreBudget) -> None:
+    def __init__(self, path: Path, budget: StoreBudget, leases: Leases) -> None:
         self.path = Path(path).expanduser()
         self.budget = budget
+        self.leases = leases
         self._lock = threading.Lock()
         self._ready = False
 
@@ -108,7 +113,7 @@ class ResponseStore:
             create_private(self.path)  # prompts and answers: the owner's only
         connection = sqlite3.connect(self.path, timeout=10)
         if not self._ready:
-            connection.executescript(_SCHEMA)
+            connection.executescript(_SCHEMA + LEASES_SCHEMA)
             if "size" not in {row[1] for row in connection.execute("PRAGMA table_info(responses)")}:
                 connection.execute("ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
             connection.executescript(_MIGRATION)
@@ -159,6 +164,7 @@ class ResponseStore:
             if cursor.rowcount:
                 db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
                 db.execute("DELETE FROM background WHERE id = ?", (response_id,))
+                self.leases.release(db, response_id)  # its server, if another, stops the job when it renews
         return cursor.rowcount > 0
 
     # ------------------------------------------------------------------ background responses
@@ -177,18 +183,41 @@ class ResponseStore:
             db.execute("INSERT OR REPLACE INTO background VALUES (?, ?, ?, ?, ?, 0)",
                        (response["id"], account or OPEN_ACCOUNT, key_id, json.dumps(request),
                         json.dumps(conversation)))
+            self.leases.take(db, [response["id"]])  # this server runs it
 
-    def owed_background(self) -> list[BackgroundJob]:
-        with self._lock, closing(self._connect()) as db:
+    def owed_background(self, running: set[str] | frozenset[str] = frozenset()) -> list[BackgroundJob]:
+        """The jobs not done that no other live server holds, oldest first, their leases taken:
+        what a start resumes and what is taken over from a server that died (`running`: those
+        this server runs already)."""
+        with self._lock, closing(self._connect()) as db, db:
             rows = db.execute("SELECT id, account, key_id, request, conversation FROM background WHERE done = 0 "
                               "ORDER BY rowid").fetchall()
+            rows = [row for row in rows if row[0] not in running]
+            taken = set(self.leases.take(db, [row[0] for row in rows]))
         return [BackgroundJob(id, account, key_id, json.loads(request), json.loads(conversation))
-                for id, account, key_id, request, conversation in rows]
+                for id, account, key_id, request, conversation in rows if id in taken]
+
+    def renew_background(self, response_ids: list[str]) -> dict[str, bool]:
+        """Renew this server's leases on the jobs; for each it still holds, whether a cancel sent
+        to another server asks it to stop the job. A job missing was lost (or deleted)."""
+        with self._lock, closing(self._connect()) as db, db:
+            return self.leases.renew(db, response_ids)
+
+    def stop_elsewhere(self, response_id: str) -> bool:
+        """Ask the live server that runs the job, if another, to cancel it; whether one does."""
+        with self._lock, closing(self._connect()) as db, db:
+            if not self.leases.held_elsewhere(db, response_id):
+                return False
+            self.leases.ask_to_stop(db, response_id)
+            return True
 
     def finish_background(self, account: str | None, response: dict[str, Any], conversation: list[dict[str, Any]],
                           events: list[str]) -> None:
-        """The background response as it ended, with its events for replay, in one go."""
+        """The background response as it ended, with its events for replay, in one go, under
+        the job's lease (LeaseLost: another server runs it now)."""
         with self._lock, closing(self._connect()) as db, db:
+            self.leases.check(db, response["id"])
+            self.leases.release(db, response["id"])
             self._put(db, account, response, conversation)
             db.execute("UPDATE background SET done = 1, request = '{}', conversation = '[]' WHERE id = ?",
                        (response["id"],))
