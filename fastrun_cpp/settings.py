@@ -190,6 +190,9 @@ class Settings(BaseSettings):
     batch_max_lines: int = Field(50000, ge=1, description="Lines (requests) one batch file may hold, as OpenAI's.")
     batches_per_account: int = Field(16, ge=1, description="Batches an account may have running at once, and "
                                      "background responses likewise.")
+    batch_output_max_mib: float = Field(
+        1024, gt=0, description="A batch's output file, at most, MiB: a line whose result would take it past this "
+        "fails, with an error saying so in the error file.")
     job_lease_s: float = Field(
         30.0, ge=3, le=3600, description="Servers sharing a data directory run each batch and background response "
         "once: the server running one renews its lease on it every third of this; a job whose server died is taken "

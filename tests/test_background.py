@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import sqlite3
+from contextlib import closing
 
 import httpx
 import openai
@@ -242,3 +244,26 @@ def test_two_servers_on_one_data_directory_run_a_job_once(tmp_path, tiny_model_p
         assert to_second.delete(f"/responses/{job}").json()["deleted"] is True
         assert wait_until(lambda: second.busy_slots("babble") == 0, 60)
         assert to_second.get(f"/responses/{job}").status_code == 404
+
+
+def test_a_background_responses_events_go_with_it(tmp_path):
+    """A finished background response keeps its stream events for replay, counted in its size,
+    and they go when the response goes past its account's budget (they stayed for good, outside
+    every budget and the retention)."""
+    with run_server("--slots", "2", "--ctx-size", "1024", "--responses-per-account", "1", log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        request = dict(model=DEFAULT_MODEL, input=QUESTION, background=True, max_output_tokens=8)
+        first = settled(client, client.responses.create(**request).id)
+        assert [event.type for event in client.responses.retrieve(first.id, stream=True)][-1] == "response.completed" \
+            or first.status == "incomplete"
+        second = settled(client, client.responses.create(**request).id)
+        with pytest.raises(openai.NotFoundError):  # the account keeps one: the first went
+            client.responses.retrieve(first.id)
+        assert list(client.responses.retrieve(second.id, stream=True))
+        with closing(sqlite3.connect(next(tmp_path.glob("keys-*.responses.sqlite3")))) as db:
+            kept = [row[0] for row in db.execute("SELECT response_id FROM response_events")]
+            jobs = [row[0] for row in db.execute("SELECT id FROM background")]
+            size, response = db.execute("SELECT size, length(response) + length(conversation) FROM responses "
+                                        "WHERE id = ?", (second.id,)).fetchone()
+        assert kept == [second.id] and jobs == [second.id]
+        assert size > response  # its events count in its size

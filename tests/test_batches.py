@@ -148,6 +148,41 @@ def test_completions_and_embeddings_run_in_batches(client, server):
         assert line["response"]["body"]["data"][0]["embedding"] == direct.data[0].embedding  # exactly
 
 
+def embedding_lines(count: int) -> list[dict]:
+    return [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+             "body": {"model": DEFAULT_MODEL, "input": f"Sentence number {i}."}} for i in range(count)]
+
+
+def test_an_output_file_larger_than_a_piece_is_read_back_whole(client):
+    """Output files are written and read in pieces of 1 MiB (never one value in memory, as the
+    whole output was): 100 embeddings lines, about 1.2 MB, come back whole, each line once."""
+    batch = finished(client, client.batches.create(input_file_id=upload(client, embedding_lines(100)).id,
+                                                   endpoint="/v1/embeddings", completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts.completed == 100
+    content = client.files.content(batch.output_file_id).content
+    assert len(content) == client.files.retrieve(batch.output_file_id).bytes > 2**20
+    lines = [json.loads(line) for line in content.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(f"e{i}" for i in range(100))
+    assert all(len(line["response"]["body"]["data"][0]["embedding"]) == 576 for line in lines)
+
+
+def test_a_batchs_output_is_capped_and_the_cap_is_named(tmp_path):
+    """A line whose result would take the batch's output file past --batch-output-max-mib fails
+    with an error naming the cap; the lines before it keep their results."""
+    with run_server("--slots", "2", "--ctx-size", "1024", "--batch-output-max-mib", "0.1", log_dir=tmp_path) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        batch = finished(client, client.batches.create(input_file_id=upload(client, embedding_lines(20)).id,
+                                                       endpoint="/v1/embeddings", completion_window="24h").id)
+        assert batch.status == "completed", batch
+        counts = batch.request_counts
+        assert counts.total == 20 and 0 < counts.completed < 20 and counts.completed + counts.failed == 20
+        assert client.files.retrieve(batch.output_file_id).bytes <= 0.1 * 2**20
+        errors = file_lines(client, batch.error_file_id)
+        assert len(errors) == counts.failed
+        assert all(line["error"]["code"] == "batch_output_too_large" and "--batch-output-max-mib" in
+                   line["error"]["message"] and line["custom_id"].startswith("e") for line in errors)
+
+
 def test_a_background_responses_line_is_answered_whole_within_the_batch(client):
     """`background: true` in a /v1/responses line: the batch is the background already, so the
     line's answer is in the output file, done (not a `queued` response left to run outside the

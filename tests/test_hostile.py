@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -668,3 +669,23 @@ def test_hostile_model_lifecycle_requests(hostile):
     listed = [m["id"] for m in httpx.get(models, timeout=FAST_S).json()["data"]]
     assert all(".." not in model and not model.startswith("/") for model in listed)
     still_answers(hostile)
+
+
+def peak_resident_bytes(pid: int) -> int:
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads a process's peak RSS from /proc")
+def test_an_upload_of_many_short_lines_is_refused_without_splitting_it(tmp_path):
+    """A 60 MiB batch file of 20 million 3-byte lines is refused for its line count, found a line
+    at a time: the server's peak memory grows by about the file, not by a list of its lines
+    (the upload was split into 20 million objects first, about 1 GB, before the count)."""
+    many = b"{}\n" * (20 * 2**20)
+    with run_server("--slots", "1", "--ctx-size", "512", log_dir=tmp_path) as server:
+        before = peak_resident_bytes(server.process.pid)
+        response = httpx.post(f"{server.base_url}/files", files={"file": ("many.jsonl", many)},
+                              data={"purpose": "batch"}, timeout=120)
+        assert response.status_code == 400 and "50000" in assert_spec_error(response)["message"]
+        grown = peak_resident_bytes(server.process.pid) - before
+        assert grown < 4 * len(many), f"the upload took {grown >> 20} MiB"

@@ -119,7 +119,8 @@ def batch_store(settings: Settings, leases: Leases) -> BatchStore:
     path = settings.batches_db or settings.keys_db.with_name(settings.keys_db.stem + ".batches.sqlite3")
     return BatchStore(path, FilesBudget(account_files=settings.files_per_account,
                                         account_bytes=int(settings.files_per_account_mib * 2**20),
-                                        total_bytes=int(settings.files_max_gib * 2**30)), leases)
+                                        total_bytes=int(settings.files_max_gib * 2**30)), leases,
+                      output_max_bytes=int(settings.batch_output_max_mib * 2**20))
 
 
 def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:

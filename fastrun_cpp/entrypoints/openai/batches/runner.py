@@ -46,6 +46,7 @@ from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S
 logger = logging.getLogger(__name__)
 
 BATCH_SCOPE_KEY = "fastrun.batch_key"  # set only here: no client can put a key into an ASGI scope
+FINALIZE_TRIES = 3
 EXPIRED = {"code": "batch_expired", "message": "this line was not run within the batch's completion window"}
 
 
@@ -60,6 +61,7 @@ class _Running:
     # Lines refused for now (429, 503), to be sent again: (when, the wait after that, the line).
     refused: list[tuple[float, float, PendingLine]] = field(default_factory=list)
     exhausted: bool = False  # every pending line has been read
+    finalize_failures: int = 0
     ending: tuple[dict[str, Any], dict[str, Any] | None] | None = None  # cancelled or expired: (change, error)
 
     @property
@@ -229,6 +231,18 @@ class BatchRunner:
         except LeaseLost:
             self._drop(running)
             return
+        except Exception as exc:  # tried again next tick, a few times, then the batch fails saying why
+            running.finalize_failures += 1
+            if running.finalize_failures < FINALIZE_TRIES:
+                raise
+            logger.exception("batch %s: its files could not be written; it fails", running.batch["id"])
+            try:
+                final = await self._in_store(self.store.fail_batch, running.batch, {
+                    "code": "finalize_failed",
+                    "message": f"the batch's output could not be written ({type(exc).__name__}: {exc})"})
+            except LeaseLost:
+                self._drop(running)
+                return
         self._running.pop(final["id"], None)
         counts = final["request_counts"]
         logger.info("batch %s %s: %d completed, %d failed of %d", final["id"], final["status"],

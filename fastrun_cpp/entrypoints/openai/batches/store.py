@@ -19,9 +19,9 @@ import threading
 import time
 import uuid
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from fastrun_cpp.entrypoints.leases import SCHEMA as LEASES_SCHEMA
 from fastrun_cpp.entrypoints.leases import Leases
@@ -37,9 +37,15 @@ CREATE TABLE IF NOT EXISTS files (
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     expires_at INTEGER,
-    content BLOB NOT NULL
+    content BLOB NOT NULL  -- empty: the file is in file_chunks (stores made before hold it here)
 );
 CREATE INDEX IF NOT EXISTS files_by_account ON files(account, created_at);
+CREATE TABLE IF NOT EXISTS file_chunks (  -- a file's content in pieces: never one value in memory
+    file_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (file_id, seq)
+);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
     account TEXT NOT NULL,
@@ -62,7 +68,12 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     completion_tokens INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (batch_id, line)
 );
+CREATE TABLE IF NOT EXISTS batch_output (
+    batch_id TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL  -- the results of its completed lines so far, within the batch's output cap
+);
 """
+CHUNK_BYTES = 1 << 20
 OPEN_ACCOUNT = ""  # the namespace of a server without keys
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a batch the runner still owes work
 
@@ -136,11 +147,9 @@ class ParsedLine:
 class BatchTotals:
     completed: int = 0
     failed: int = 0
-    pending: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    results: list[tuple[bool, str]] = field(default_factory=list)  # (completed, result line) in line order
 
 
 def new_id(prefix: str) -> str:
@@ -152,10 +161,11 @@ def _owner(account: str | None) -> str:
 
 
 class BatchStore:
-    def __init__(self, path: Path, budget: FilesBudget, leases: Leases) -> None:
+    def __init__(self, path: Path, budget: FilesBudget, leases: Leases, *, output_max_bytes: int = 1 << 30) -> None:
         self.path = Path(path).expanduser()
         self.budget = budget
         self.leases = leases
+        self.output_max_bytes = output_max_bytes  # a batch's output file, at most
         self._lock = threading.Lock()
         self._ready = False
 
@@ -174,14 +184,8 @@ class BatchStore:
 
     def put_file(self, account: str | None, purpose: str, filename: str, content: bytes,
                  expires_at: int | None = None) -> StoredFile:
+        owner = _owner(account)
         with self._lock, closing(self._connect()) as db, db:
-            return self._insert_file(db, _owner(account), purpose, filename, content, expires_at)
-
-    def _insert_file(self, db: sqlite3.Connection, owner: str, purpose: str, filename: str, content: bytes,
-                     expires_at: int | None) -> StoredFile:
-        now = int(time.time())
-        db.execute("DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at < ?", (now,))
-        if purpose == "batch":  # what a batch writes back is never refused: its lines were paid for
             count, used = self._used(db, owner)
             (total,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()
             budget = self.budget
@@ -193,9 +197,26 @@ class BatchStore:
                                          f"{budget.account_bytes} (delete some: DELETE /v1/files/{{file_id}})")
             if total + len(content) > budget.total_bytes:
                 raise FileBudgetExceeded("the server's file storage is full")
-        stored = StoredFile(new_id("file"), purpose, filename, len(content), now, expires_at)
+            view = memoryview(content)
+            return self._insert_file(db, owner, purpose, filename,
+                                     (view[start:start + CHUNK_BYTES] for start in range(0, len(content), CHUNK_BYTES)),
+                                     expires_at)
+
+    def _insert_file(self, db: sqlite3.Connection, owner: str, purpose: str, filename: str,
+                     pieces: Iterable[bytes | memoryview], expires_at: int | None) -> StoredFile:
+        """A file written from `pieces` (each at most CHUNK_BYTES) a piece at a time. What a batch
+        writes back is never refused here: its lines were paid for (the account's files count
+        against its budget when it starts another batch)."""
+        now = int(time.time())
+        db.execute("DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at < ?", (now,))
+        db.execute("DELETE FROM file_chunks WHERE NOT EXISTS (SELECT 1 FROM files WHERE id = file_id)")
+        file_id, size = new_id("file"), 0
+        for seq, piece in enumerate(pieces):
+            db.execute("INSERT INTO file_chunks VALUES (?, ?, ?)", (file_id, seq, piece))
+            size += len(piece)
+        stored = StoredFile(file_id, purpose, filename, size, now, expires_at)
         db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                   (stored.id, owner, purpose, filename, stored.bytes, now, expires_at, content))
+                   (stored.id, owner, purpose, filename, stored.bytes, now, expires_at, b""))
         return stored
 
     @staticmethod
@@ -216,10 +237,25 @@ class BatchStore:
         return StoredFile(*row) if row else None
 
     def file_content(self, account: str | None, file_id: str) -> bytes | None:
+        """A file whole: an uploaded batch file, at most the body limit (an output file is read
+        with `file_piece`)."""
+        pieces = []
+        while piece := self.file_piece(account, file_id, len(pieces)):
+            pieces.append(piece)
+        return b"".join(pieces) if pieces else None
+
+    def file_piece(self, account: str | None, file_id: str, seq: int) -> bytes | None:
+        """Piece `seq` of the account's file: None when there is no such file, and b"" past its
+        end (so a file is read in pieces of at most CHUNK_BYTES, one query each)."""
         with self._lock, closing(self._connect()) as db:
             row = db.execute("SELECT content FROM files WHERE id = ? AND account = ?",
                              (file_id, _owner(account))).fetchone()
-        return bytes(row[0]) if row else None
+            if row is None:
+                return None
+            if row[0]:  # a store made before files were kept in pieces
+                return bytes(row[0]) if seq == 0 else b""
+            piece = db.execute("SELECT data FROM file_chunks WHERE file_id = ? AND seq = ?", (file_id, seq)).fetchone()
+        return bytes(piece[0]) if piece else b""
 
     def files(self, account: str | None, *, purpose: str | None, after: str | None, limit: int,
               newest_first: bool) -> tuple[list[StoredFile], bool]:
@@ -243,6 +279,8 @@ class BatchStore:
     def delete_file(self, account: str | None, file_id: str) -> bool:
         with self._lock, closing(self._connect()) as db, db:
             cursor = db.execute("DELETE FROM files WHERE id = ? AND account = ?", (file_id, _owner(account)))
+            if cursor.rowcount:
+                db.execute("DELETE FROM file_chunks WHERE file_id = ?", (file_id,))
         return cursor.rowcount > 0
 
     # ------------------------------------------------------------------ batches
@@ -346,17 +384,31 @@ class BatchStore:
 
     def finish_line(self, batch: dict[str, Any], line: int, outcome: LineOutcome) -> None:
         """Commit a line's result with its state, and the batch's counts with them. A line done
-        already (a second answer after a restart raced it) keeps its first result."""
+        already (a second answer after a restart raced it) keeps its first result. A result that
+        would take the batch's output past its cap is failed instead, with an error naming it."""
+        result = json.dumps(outcome.result)
         with self._lock, closing(self._connect()) as db, db:
             self.leases.check(db, batch["id"])
+            completed = outcome.completed
+            if completed:
+                row = db.execute("SELECT bytes FROM batch_output WHERE batch_id = ?", (batch["id"],)).fetchone()
+                written = row[0] if row else 0
+                if written + len(result) + 1 > self.output_max_bytes:
+                    completed, result = False, json.dumps(error_line(outcome.result.get("custom_id"), None, {
+                        "code": "batch_output_too_large",
+                        "message": f"this line's result ({len(result)} bytes) would take the batch's output file "
+                                   f"past its {self.output_max_bytes} bytes (--batch-output-max-mib)"}))
             cursor = db.execute(
                 "UPDATE batch_lines SET state = ?, result = ?, request = NULL, prompt_tokens = ?, "
                 "cached_tokens = ?, completion_tokens = ? WHERE batch_id = ? AND line = ? AND state = 'pending'",
-                ("completed" if outcome.completed else "failed", json.dumps(outcome.result), outcome.prompt_tokens,
+                ("completed" if completed else "failed", result, outcome.prompt_tokens,
                  outcome.cached_tokens, outcome.completion_tokens, batch["id"], line))
             if cursor.rowcount:
+                if completed:
+                    db.execute("INSERT INTO batch_output VALUES (?, ?) ON CONFLICT (batch_id) DO UPDATE SET "
+                               "bytes = bytes + excluded.bytes", (batch["id"], len(result) + 1))
                 counts = batch["request_counts"]
-                counts["completed" if outcome.completed else "failed"] += 1
+                counts["completed" if completed else "failed"] += 1
                 db.execute("UPDATE batches SET batch = json_set(batch, '$.request_counts', json(?)) WHERE id = ?",
                            (json.dumps(counts), batch["id"]))
 
@@ -366,21 +418,32 @@ class BatchStore:
 
     @staticmethod
     def _totals(db: sqlite3.Connection, batch_id: str) -> BatchTotals:
-        totals = BatchTotals()
-        for state, result, prompt, cached, completion in db.execute(
-                "SELECT state, result, prompt_tokens, cached_tokens, completion_tokens FROM batch_lines "
-                "WHERE batch_id = ? ORDER BY line", (batch_id,)):
-            if state == "pending":
-                totals.pending += 1
-                continue
-            completed = state == "completed"
-            totals.completed += completed
-            totals.failed += not completed
-            totals.prompt_tokens += prompt
-            totals.cached_tokens += cached
-            totals.completion_tokens += completion
-            totals.results.append((completed, result))
-        return totals
+        return BatchTotals(*db.execute(
+            "SELECT COALESCE(SUM(state = 'completed'), 0), COALESCE(SUM(state = 'failed'), 0), "
+            "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
+            "FROM batch_lines WHERE batch_id = ?", (batch_id,)).fetchone())
+
+    def _results_file(self, db: sqlite3.Connection, account: str, batch_id: str, state: str,
+                      filename: str) -> str | None:
+        """The output (`completed`) or error (`failed`) file of a batch, written from its lines'
+        results in line order, a piece at a time; None when no line ended so."""
+        def pieces() -> Iterator[bytes]:
+            buffer = bytearray()
+            for (result,) in db.execute("SELECT result FROM batch_lines WHERE batch_id = ? AND state = ? "
+                                        "ORDER BY line", (batch_id, state)):
+                buffer += result.encode()
+                buffer += b"\n"
+                while len(buffer) >= CHUNK_BYTES:
+                    yield bytes(buffer[:CHUNK_BYTES])
+                    del buffer[:CHUNK_BYTES]
+            if buffer:
+                yield bytes(buffer)
+
+        lines = db.execute("SELECT 1 FROM batch_lines WHERE batch_id = ? AND state = ? LIMIT 1",
+                           (batch_id, state)).fetchone()
+        if lines is None:
+            return None
+        return self._insert_file(db, account, "batch_output", filename, pieces(), None).id
 
     def finalize(self, account: str, batch: dict[str, Any], change: dict[str, Any],
                  unfinished: dict[str, Any] | None) -> dict[str, Any]:
@@ -398,15 +461,9 @@ class BatchStore:
                                ((json.dumps(error_line(custom_id, None, unfinished)), batch["id"], line)
                                 for line, custom_id in pending))
             totals = self._totals(db, batch["id"])
-            outputs = "".join(line + "\n" for completed, line in totals.results if completed).encode()
-            errors = "".join(line + "\n" for completed, line in totals.results if not completed).encode()
             name = batch["id"]
-            if outputs:
-                batch["output_file_id"] = self._insert_file(db, account, "batch_output", f"{name}_output.jsonl",
-                                                            outputs, None).id
-            if errors:
-                batch["error_file_id"] = self._insert_file(db, account, "batch_output", f"{name}_error.jsonl",
-                                                           errors, None).id
+            batch["output_file_id"] = self._results_file(db, account, name, "completed", f"{name}_output.jsonl")
+            batch["error_file_id"] = self._results_file(db, account, name, "failed", f"{name}_error.jsonl")
             batch["request_counts"] = {"total": batch["request_counts"]["total"], "completed": totals.completed,
                                        "failed": totals.failed}
             batch["usage"] = usage(totals)
@@ -414,6 +471,22 @@ class BatchStore:
             db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
                        (batch["status"], json.dumps(batch), batch["id"]))
             db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch["id"],))
+            db.execute("DELETE FROM batch_output WHERE batch_id = ?", (batch["id"],))
+            self.leases.release(db, batch["id"])
+        return batch
+
+
+    def fail_batch(self, batch: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+        """End a batch that could not be finalized as `failed`, with `error` in its errors, under its
+        lease; its lines' results go with it."""
+        with self._lock, closing(self._connect()) as db, db:
+            self.leases.check(db, batch["id"])
+            batch.update(status="failed", failed_at=int(time.time()),
+                         errors={"object": "list", "data": [{**error, "param": None, "line": None}]})
+            db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
+                       (batch["status"], json.dumps(batch), batch["id"]))
+            db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch["id"],))
+            db.execute("DELETE FROM batch_output WHERE batch_id = ?", (batch["id"],))
             self.leases.release(db, batch["id"])
         return batch
 
@@ -431,7 +504,16 @@ def error_line(custom_id: str | None, response: dict[str, Any] | None, error: di
 
 
 def lines_of(content: bytes) -> Iterator[tuple[int, bytes]]:
-    """(line number from 1, line) of a JSONL file's non-blank lines."""
-    for number, line in enumerate(content.split(b"\n"), start=1):
+    """(line number from 1, line) of a JSONL file's non-blank lines, found one at a time: a file
+    of many short lines is never split into a list of them (a 60 MiB file of 3-byte lines made
+    20 million objects, about 1 GB)."""
+    number, start = 1, 0
+    while start < len(content):
+        end = content.find(b"\n", start)
+        if end < 0:
+            end = len(content)
+        line = content[start:end]
         if line.strip():
             yield number, line
+        number += 1
+        start = end + 1

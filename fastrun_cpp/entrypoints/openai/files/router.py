@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from starlette.responses import Response
+from starlette.responses import StreamingResponse
 
 from fastrun_cpp.entrypoints.openai.batches.protocol import FileDeleted, FileList, FileObject
 from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles
@@ -41,8 +41,11 @@ async def retrieve_file(file_id: str, handler: Files) -> dict:
 
 
 @router.get("/files/{file_id}/content", responses=error_responses(ErrorResponse))
-async def file_content(file_id: str, handler: Files) -> Response:
-    return Response(await handler.content(file_id), media_type="application/octet-stream")
+async def file_content(file_id: str, handler: Files) -> StreamingResponse:
+    """The file as stored, a piece at a time (an output file can be as large as its cap)."""
+    stored, pieces = await handler.content(file_id)
+    return StreamingResponse(pieces, media_type="application/octet-stream",
+                             headers={"content-length": str(stored.bytes)})
 
 
 @router.delete("/files/{file_id}", response_model=FileDeleted, responses=error_responses(ErrorResponse))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, AsyncIterator
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -66,17 +66,21 @@ class OpenAIServingFiles:
         return stored.as_api()
 
     def _check_batch_file(self, content: bytes) -> None:
-        """A batch file is UTF-8 JSONL of at most max_lines requests; a line that is not a request
-        is reported in the batch's error file, not here."""
-        try:
-            content.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise bad_request(f"file: not UTF-8 text (byte {exc.start})") from None
+        """A batch file is UTF-8 JSONL of at most max_lines requests, checked a line at a time and
+        stopped at the first line past the bound; a line that is not a request is reported in the
+        batch's error file, not here."""
+        too_many = bad_request(f"file: more than {self.max_lines} lines; a batch file holds at most "
+                               f"{self.max_lines} requests (split it into several batches)")
+        if content.count(b"\n") >= 2 * self.max_lines:  # blank lines between requests, at most one each
+            raise too_many
         count = 0
-        for count, _ in enumerate(lines_of(content), start=1):
+        for count, (number, line) in enumerate(lines_of(content), start=1):
             if count > self.max_lines:
-                raise bad_request(f"file: more than {self.max_lines} lines; a batch file holds at most "
-                                  f"{self.max_lines} requests (split it into several batches)")
+                raise too_many
+            try:
+                line.decode("utf-8")  # a newline byte is never inside a UTF-8 character
+            except UnicodeDecodeError as exc:
+                raise bad_request(f"file: line {number} is not UTF-8 text (byte {exc.start})") from None
         if count == 0:
             raise bad_request("file: empty; a batch file holds one JSON request per line")
 
@@ -89,11 +93,24 @@ class OpenAIServingFiles:
     async def retrieve(self, file_id: str) -> dict[str, Any]:
         return (await self.stored(file_id)).as_api()
 
-    async def content(self, file_id: str) -> bytes:
+    async def batch_file(self, file_id: str) -> bytes:
+        """An uploaded batch file whole (at most the body limit): what a batch is parsed from."""
         content = await self.in_store(self.store.file_content, account(), file_id)
         if content is None:
             raise APIError(404, f"no file with id {file_id!r}")
         return content
+
+    async def content(self, file_id: str) -> tuple[StoredFile, AsyncIterator[bytes]]:
+        """The file, and its content as pieces read one at a time as they are sent."""
+        owner, stored = account(), await self.stored(file_id)
+
+        async def pieces() -> AsyncIterator[bytes]:
+            seq = 0
+            while piece := await self.in_store(self.store.file_piece, owner, file_id, seq):
+                yield piece
+                seq += 1
+
+        return stored, pieces()
 
     async def list(self, *, purpose: str | None, after: str | None, limit: int, order: str) -> dict[str, Any]:
         files, has_more = await self.in_store(self.store.files, account(), purpose=purpose, after=after, limit=limit,

@@ -386,7 +386,8 @@ class OpenAIServingResponses:
         """The job's end: its response as it ended (a completed one the stream stored itself),
         and its events for replay."""
         stored = await self.in_store(self.store.get, job.account, job.response_id)
-        if stored is None:  # deleted meanwhile
+        if stored is None:  # deleted meanwhile, or gone past the retention or the budget
+            await self.in_store(self.store.drop_background, job.response_id)
             return
         response, conversation = stored.response, stored.conversation
         last = json.loads(events[-1]) if events else {}

@@ -128,11 +128,12 @@ class ResponseStore:
             self._put(db, account, response, conversation)
 
     def _put(self, db: sqlite3.Connection, account: str | None, response: dict[str, Any],
-             conversation: list[dict[str, Any]]) -> None:
+             conversation: list[dict[str, Any]], events_bytes: int = 0) -> None:
+        """`events_bytes`: a background response's stream events, kept beside it, count in its size."""
         budget = self.budget
         response_text = json.dumps(response, separators=(",", ":"))
         conversation_text = json.dumps(conversation, separators=(",", ":"))
-        size = len(response_text.encode()) + len(conversation_text.encode())
+        size = len(response_text.encode()) + len(conversation_text.encode()) + events_bytes
         if size > min(budget.row_bytes, budget.account_bytes, budget.bytes):
             raise StoredTooLarge(f"the conversation is {size} bytes, over the "
                                  f"{min(budget.row_bytes, budget.account_bytes, budget.bytes)} a stored response may "
@@ -147,6 +148,10 @@ class ResponseStore:
         db.execute(_PAST_BYTES.format(where=mine), (owner, budget.account_bytes))
         db.execute(_PAST_COUNT.format(where=""), (budget.items,))
         db.execute(_PAST_BYTES.format(where=""), (budget.bytes,))
+        # What belonged to the responses that went: their events, and their jobs that have ended.
+        db.execute("DELETE FROM response_events WHERE NOT EXISTS (SELECT 1 FROM responses WHERE id = response_id)")
+        db.execute("DELETE FROM background WHERE done = 1 AND NOT EXISTS (SELECT 1 FROM responses r "
+                   "WHERE r.id = background.id)")
 
     def get(self, account: str | None, response_id: str) -> StoredResponse | None:
         with self._lock, closing(self._connect()) as db:
@@ -214,14 +219,28 @@ class ResponseStore:
     def finish_background(self, account: str | None, response: dict[str, Any], conversation: list[dict[str, Any]],
                           events: list[str]) -> None:
         """The background response as it ended, with its events for replay, in one go, under
-        the job's lease (LeaseLost: another server runs it now)."""
+        the job's lease (LeaseLost: another server runs it now). The events count in the
+        response's size, within the account's budget; events too large to keep with it are
+        dropped (the response is kept, and replays nothing)."""
+        events_text = json.dumps(events, separators=(",", ":"))
         with self._lock, closing(self._connect()) as db, db:
             self.leases.check(db, response["id"])
             self.leases.release(db, response["id"])
-            self._put(db, account, response, conversation)
             db.execute("UPDATE background SET done = 1, request = '{}', conversation = '[]' WHERE id = ?",
                        (response["id"],))
-            db.execute("INSERT OR REPLACE INTO response_events VALUES (?, ?)", (response["id"], json.dumps(events)))
+            try:
+                self._put(db, account, response, conversation, len(events_text.encode()))
+            except StoredTooLarge:
+                self._put(db, account, response, conversation)
+                return
+            db.execute("INSERT OR REPLACE INTO response_events VALUES (?, ?)", (response["id"], events_text))
+
+    def drop_background(self, response_id: str) -> None:
+        """A job whose response is gone (deleted, or past the retention or the budget): it is owed
+        no more."""
+        with self._lock, closing(self._connect()) as db, db:
+            db.execute("DELETE FROM background WHERE id = ?", (response_id,))
+            self.leases.release(db, response_id)
 
     def events(self, account: str | None, response_id: str) -> list[str] | None:
         """A finished background response's events (the data of each), or None."""
