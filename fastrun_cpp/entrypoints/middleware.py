@@ -14,10 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastrun_cpp.auth import ActiveKey
 from fastrun_cpp.entrypoints.auth import AuthError, Authenticator
-from fastrun_cpp.entrypoints.openai.batches.runner import BATCH_SCOPE_KEY
 from fastrun_cpp.entrypoints.metrics import ServerMetrics
 from fastrun_cpp.entrypoints.openai.errors import APIError, error_type_for
-from fastrun_cpp.entrypoints.request_context import RequestRecord, current_record, set_current_record
+from fastrun_cpp.entrypoints.request_context import SENT_AS_KEY, RequestRecord, current_record, set_current_record
 from fastrun_cpp.entrypoints.tenancy import AccountGate, LimitReached, UsageRecorder
 
 access_log = logging.getLogger("fastrun_cpp.access")
@@ -197,8 +196,8 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         record = current_record()
-        if BATCH_SCOPE_KEY in scope:  # a batch line, sent by this process as the key that created the batch
-            (key,) = scope[BATCH_SCOPE_KEY]
+        if SENT_AS_KEY in scope:  # work the server owns (a batch line), sent by this process as its key
+            (key,) = scope[SENT_AS_KEY]
             if record is not None:
                 record.bulk = True
             await self._serve(key, path, record, scope, receive, send)

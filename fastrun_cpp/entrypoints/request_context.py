@@ -12,6 +12,11 @@ from fastrun_cpp.entrypoints.tenancy import Ticket
 from fastrun_cpp.runtime import EngineStream
 
 
+# A request this process sends itself (a batch line) carries, in its ASGI scope, the key it runs
+# as (the one that created the batch): no client can put anything into a scope.
+SENT_AS_KEY = "fastrun.sent_as_key"
+
+
 @dataclass
 class RequestRecord:
     request_id: str

@@ -19,6 +19,8 @@ from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.entrypoints.anthropic.router import router as messages_router
 from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
+from fastrun_cpp.entrypoints.database import Database
+from fastrun_cpp.entrypoints.leases import SCHEMA as LEASES_SCHEMA
 from fastrun_cpp.entrypoints.leases import Leases
 from fastrun_cpp.entrypoints.tenancy import AccountGate, UsageRecorder
 from fastrun_cpp.entrypoints.ui import ui_router
@@ -32,7 +34,10 @@ from fastrun_cpp.entrypoints.operator import router as operator_router
 from fastrun_cpp.entrypoints.openai.batches.router import router as batches_router
 from fastrun_cpp.entrypoints.openai.batches.runner import BatchRunner
 from fastrun_cpp.entrypoints.openai.batches.serving import OpenAIServingBatches
-from fastrun_cpp.entrypoints.openai.batches.store import BatchStore, FilesBudget
+from fastrun_cpp.entrypoints.openai.batches.store import SCHEMA as BATCHES_SCHEMA
+from fastrun_cpp.entrypoints.openai.batches.store import BatchStore
+from fastrun_cpp.entrypoints.openai.files.store import SCHEMA as FILES_SCHEMA
+from fastrun_cpp.entrypoints.openai.files.store import FilesBudget, FileStore
 from fastrun_cpp.entrypoints.openai.chat_completion.router import router as chat_router
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.completion.router import router as completion_router
@@ -116,11 +121,13 @@ def response_store(settings: Settings, leases: Leases) -> ResponseStore:
 
 
 def batch_store(settings: Settings, leases: Leases) -> BatchStore:
+    """The batches, and the files they are made from and write, in one database."""
     path = settings.batches_db or settings.keys_db.with_name(settings.keys_db.stem + ".batches.sqlite3")
-    return BatchStore(path, FilesBudget(account_files=settings.files_per_account,
-                                        account_bytes=int(settings.files_per_account_mib * 2**20),
-                                        total_bytes=int(settings.files_max_gib * 2**30)), leases,
-                      output_max_bytes=int(settings.batch_output_max_mib * 2**20))
+    files = FileStore(Database(path, FILES_SCHEMA, BATCHES_SCHEMA, LEASES_SCHEMA),
+                      FilesBudget(account_files=settings.files_per_account,
+                                  account_bytes=int(settings.files_per_account_mib * 2**20),
+                                  total_bytes=int(settings.files_max_gib * 2**30)))
+    return BatchStore(files, leases, output_max_bytes=int(settings.batch_output_max_mib * 2**20))
 
 
 def build_app(settings: Settings, authenticator: Authenticator | None = None) -> FastAPI:
@@ -207,7 +214,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_messages = AnthropicServingMessages(chat)
     batches = batch_store(settings, leases)
     batch_thread = StoreThread("fastrun-batches")
-    app.state.serving_files = files = OpenAIServingFiles(batches, batch_thread, max_lines=settings.batch_max_lines)
+    app.state.serving_files = files = OpenAIServingFiles(batches.files, batch_thread, max_lines=settings.batch_max_lines)
     app.state.batch_runner = batch_runner = BatchRunner(app, batches, batch_thread, key_for=authenticator.key_by_id,
                                                         in_flight=bulk_in_flight)
     app.state.serving_batches = OpenAIServingBatches(files, batch_runner, per_account=settings.batches_per_account,

@@ -41,11 +41,11 @@ from fastrun_cpp.entrypoints.openai.batches.store import (
 )
 from fastrun_cpp.entrypoints.leases import LeaseLost
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
+from fastrun_cpp.entrypoints.request_context import SENT_AS_KEY
 from fastrun_cpp.entrypoints.tenancy import RETRIED_STATUSES, RETRY_S
 
 logger = logging.getLogger(__name__)
 
-BATCH_SCOPE_KEY = "fastrun.batch_key"  # set only here: no client can put a key into an ASGI scope
 FINALIZE_TRIES = 3
 EXPIRED = {"code": "batch_expired", "message": "this line was not run within the batch's completion window"}
 
@@ -71,7 +71,7 @@ class _Running:
 
 def _with_key(app: ASGIApp, key: ActiveKey | None) -> ASGIApp:
     async def call(scope: Scope, receive: Receive, send: Send) -> None:
-        await app({**scope, BATCH_SCOPE_KEY: (key,)}, receive, send)
+        await app({**scope, SENT_AS_KEY: (key,)}, receive, send)
 
     return call
 

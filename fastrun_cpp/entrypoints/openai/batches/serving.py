@@ -16,7 +16,8 @@ from fastrun_cpp.entrypoints.openai.batches.protocol import (
     window_seconds,
 )
 from fastrun_cpp.entrypoints.openai.batches.runner import BatchRunner
-from fastrun_cpp.entrypoints.openai.batches.store import OwedBatch, ParsedLine, error_line, lines_of, new_id
+from fastrun_cpp.entrypoints.openai.batches.store import OwedBatch, ParsedLine, error_line
+from fastrun_cpp.entrypoints.openai.files.store import lines_of, new_id
 from fastrun_cpp.entrypoints.tenancy import AccountAtCap
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles, _page, account
@@ -85,7 +86,7 @@ class OpenAIServingBatches:
                  parse: Callable[..., Awaitable[Any]]) -> None:
         self.parse = parse  # the serving layer's body reader (checked, decoded off the loop)
         self.files = files
-        self.store = files.store
+        self.store = runner.store
         self.runner = runner
         self.per_account = per_account
 
@@ -103,7 +104,7 @@ class OpenAIServingBatches:
         # Checked before the file is read and parsed, and again where the batch is added (requests
         # sent together all pass this first check).
         await self._within_cap(self.store.check_room, owner, self.per_account)
-        if await self.files.in_store(self.store.files_full, owner):
+        if await self.files.in_store(self.store.files.full, owner):
             raise APIError(429, "this account's files fill its budget (batch outputs count); delete some first: "
                                 "DELETE /v1/files/{file_id}", "rate_limit_error")
         content = await self.files.batch_file(stored.id)

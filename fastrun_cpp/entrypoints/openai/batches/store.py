@@ -1,8 +1,7 @@
-"""Files and batches (OpenAI's /v1/files and /v1/batches), in SQLite next to the key store.
-
-One database holds the uploaded files, the batches and each batch's lines, so a line's result is
-committed with its state in one transaction: after a restart (SIGTERM or kill -9) a line is
-either done, with its result, or still to run; none is lost and none is answered twice.
+"""Batches (OpenAI's /v1/batches) and each batch's lines, in the database the files live in
+(`files/store.py`), so a line's result is committed with its state in one transaction, and a
+batch's end with its output files: after a restart (SIGTERM or kill -9) a line is either done,
+with its result, or still to run; none is lost and none is answered twice.
 
 A batch is run by the server that holds its lease (`leases.py`): servers sharing this database
 never run one twice, and line results and the batch's end are written only under its lease.
@@ -15,37 +14,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
-import uuid
-from contextlib import closing
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
-from fastrun_cpp.entrypoints.leases import SCHEMA as LEASES_SCHEMA
+from fastrun_cpp.entrypoints.openai.files.store import CHUNK_BYTES, FileStore, new_id, owner_of
 from fastrun_cpp.entrypoints.leases import Leases
 from fastrun_cpp.entrypoints.tenancy import AccountAtCap
-from fastrun_cpp.private import create_private
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY,
-    account TEXT NOT NULL,
-    purpose TEXT NOT NULL,
-    filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL,
-    expires_at INTEGER,
-    content BLOB NOT NULL  -- empty: the file is in file_chunks (stores made before hold it here)
-);
-CREATE INDEX IF NOT EXISTS files_by_account ON files(account, created_at);
-CREATE TABLE IF NOT EXISTS file_chunks (  -- a file's content in pieces: never one value in memory
-    file_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    data BLOB NOT NULL,
-    PRIMARY KEY (file_id, seq)
-);
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
     account TEXT NOT NULL,
@@ -73,38 +50,7 @@ CREATE TABLE IF NOT EXISTS batch_output (
     bytes INTEGER NOT NULL  -- the results of its completed lines so far, within the batch's output cap
 );
 """
-CHUNK_BYTES = 1 << 20
-OPEN_ACCOUNT = ""  # the namespace of a server without keys
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a batch the runner still owes work
-
-
-class FileBudgetExceeded(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    id: str
-    purpose: str
-    filename: str
-    bytes: int
-    created_at: int
-    expires_at: int | None
-
-    def as_api(self) -> dict[str, Any]:
-        """OpenAI's File object."""
-        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-                "filename": self.filename, "purpose": self.purpose, "status": "processed",
-                "expires_at": self.expires_at, "status_details": None}
-
-
-@dataclass(frozen=True)
-class FilesBudget:
-    """What one account may keep, and what all of them together may."""
-
-    account_files: int
-    account_bytes: int
-    total_bytes: int
 
 
 @dataclass
@@ -152,148 +98,24 @@ class BatchTotals:
     completion_tokens: int = 0
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _owner(account: str | None) -> str:
-    return account or OPEN_ACCOUNT
-
-
 class BatchStore:
-    def __init__(self, path: Path, budget: FilesBudget, leases: Leases, *, output_max_bytes: int = 1 << 30) -> None:
-        self.path = Path(path).expanduser()
-        self.budget = budget
+    def __init__(self, files: FileStore, leases: Leases, *, output_max_bytes: int = 1 << 30) -> None:
+        self.files = files
+        self.database = files.database
         self.leases = leases
         self.output_max_bytes = output_max_bytes  # a batch's output file, at most
-        self._lock = threading.Lock()
-        self._ready = False
-
-    def _connect(self) -> sqlite3.Connection:
-        if not self._ready:
-            create_private(self.path)  # prompts and answers: the owner's only
-        connection = sqlite3.connect(self.path, timeout=30)
-        if not self._ready:
-            connection.execute("PRAGMA journal_mode=WAL")  # readers (GET) never wait for a line's commit
-            connection.executescript(_SCHEMA + LEASES_SCHEMA)
-            connection.commit()
-            self._ready = True
-        return connection
-
-    # ------------------------------------------------------------------ files
-
-    def put_file(self, account: str | None, purpose: str, filename: str, content: bytes,
-                 expires_at: int | None = None) -> StoredFile:
-        owner = _owner(account)
-        with self._lock, closing(self._connect()) as db, db:
-            count, used = self._used(db, owner)
-            (total,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()
-            budget = self.budget
-            if count + 1 > budget.account_files:
-                raise FileBudgetExceeded(f"this account already has {count} files, the most it may keep "
-                                         "(delete some: DELETE /v1/files/{file_id})")
-            if used + len(content) > budget.account_bytes:
-                raise FileBudgetExceeded(f"this account's files would take {used + len(content)} bytes, over its "
-                                         f"{budget.account_bytes} (delete some: DELETE /v1/files/{{file_id}})")
-            if total + len(content) > budget.total_bytes:
-                raise FileBudgetExceeded("the server's file storage is full")
-            view = memoryview(content)
-            return self._insert_file(db, owner, purpose, filename,
-                                     (view[start:start + CHUNK_BYTES] for start in range(0, len(content), CHUNK_BYTES)),
-                                     expires_at)
-
-    def _insert_file(self, db: sqlite3.Connection, owner: str, purpose: str, filename: str,
-                     pieces: Iterable[bytes | memoryview], expires_at: int | None) -> StoredFile:
-        """A file written from `pieces` (each at most CHUNK_BYTES) a piece at a time. What a batch
-        writes back is never refused here: its lines were paid for (the account's files count
-        against its budget when it starts another batch)."""
-        now = int(time.time())
-        db.execute("DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at < ?", (now,))
-        db.execute("DELETE FROM file_chunks WHERE NOT EXISTS (SELECT 1 FROM files WHERE id = file_id)")
-        file_id, size = new_id("file"), 0
-        for seq, piece in enumerate(pieces):
-            db.execute("INSERT INTO file_chunks VALUES (?, ?, ?)", (file_id, seq, piece))
-            size += len(piece)
-        stored = StoredFile(file_id, purpose, filename, size, now, expires_at)
-        db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                   (stored.id, owner, purpose, filename, stored.bytes, now, expires_at, b""))
-        return stored
-
-    @staticmethod
-    def _used(db: sqlite3.Connection, owner: str) -> tuple[int, int]:
-        return db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM files WHERE account = ?", (owner,)).fetchone()
-
-    def files_full(self, account: str | None) -> bool:
-        """Whether the account's files (a batch's output files count) fill its budget: then it
-        starts no batch, so outputs cannot pile up past it."""
-        with self._lock, closing(self._connect()) as db:
-            count, used = self._used(db, _owner(account))
-        return count >= self.budget.account_files or used >= self.budget.account_bytes
-
-    def file(self, account: str | None, file_id: str) -> StoredFile | None:
-        with self._lock, closing(self._connect()) as db:
-            row = db.execute("SELECT id, purpose, filename, bytes, created_at, expires_at FROM files "
-                             "WHERE id = ? AND account = ?", (file_id, _owner(account))).fetchone()
-        return StoredFile(*row) if row else None
-
-    def file_content(self, account: str | None, file_id: str) -> bytes | None:
-        """A file whole: an uploaded batch file, at most the body limit (an output file is read
-        with `file_piece`)."""
-        pieces = []
-        while piece := self.file_piece(account, file_id, len(pieces)):
-            pieces.append(piece)
-        return b"".join(pieces) if pieces else None
-
-    def file_piece(self, account: str | None, file_id: str, seq: int) -> bytes | None:
-        """Piece `seq` of the account's file: None when there is no such file, and b"" past its
-        end (so a file is read in pieces of at most CHUNK_BYTES, one query each)."""
-        with self._lock, closing(self._connect()) as db:
-            row = db.execute("SELECT content FROM files WHERE id = ? AND account = ?",
-                             (file_id, _owner(account))).fetchone()
-            if row is None:
-                return None
-            if row[0]:  # a store made before files were kept in pieces
-                return bytes(row[0]) if seq == 0 else b""
-            piece = db.execute("SELECT data FROM file_chunks WHERE file_id = ? AND seq = ?", (file_id, seq)).fetchone()
-        return bytes(piece[0]) if piece else b""
-
-    def files(self, account: str | None, *, purpose: str | None, after: str | None, limit: int,
-              newest_first: bool) -> tuple[list[StoredFile], bool]:
-        """A page of the account's files, and whether more follow."""
-        query = "SELECT id, purpose, filename, bytes, created_at, expires_at FROM files WHERE account = ?"
-        params: list[Any] = [_owner(account)]
-        if purpose is not None:
-            query += " AND purpose = ?"
-            params.append(purpose)
-        order = "DESC" if newest_first else "ASC"
-        with self._lock, closing(self._connect()) as db:
-            if after is not None:
-                cursor = db.execute("SELECT rowid FROM files WHERE id = ? AND account = ?", (after, _owner(account)))
-                row = cursor.fetchone()
-                if row is not None:
-                    query += f" AND rowid {'<' if newest_first else '>'} ?"
-                    params.append(row[0])
-            rows = db.execute(f"{query} ORDER BY rowid {order} LIMIT ?", (*params, limit + 1)).fetchall()
-        return [StoredFile(*row) for row in rows[:limit]], len(rows) > limit
-
-    def delete_file(self, account: str | None, file_id: str) -> bool:
-        with self._lock, closing(self._connect()) as db, db:
-            cursor = db.execute("DELETE FROM files WHERE id = ? AND account = ?", (file_id, _owner(account)))
-            if cursor.rowcount:
-                db.execute("DELETE FROM file_chunks WHERE file_id = ?", (file_id,))
-        return cursor.rowcount > 0
 
     # ------------------------------------------------------------------ batches
 
     def check_room(self, account: str | None, per_account: int) -> None:
         """AccountAtCap when the account has `per_account` batches running."""
-        with self._lock, closing(self._connect()) as db:
+        with self.database.reading() as db:
             self._check_room(db, account, per_account)
 
     @staticmethod
     def _check_room(db: sqlite3.Connection, account: str | None, per_account: int) -> None:
         (count,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE account = ? AND status IN "
-                              f"({','.join('?' * len(ACTIVE))})", (_owner(account), *ACTIVE)).fetchone()
+                              f"({','.join('?' * len(ACTIVE))})", (owner_of(account), *ACTIVE)).fetchone()
         if count >= per_account:
             raise AccountAtCap(f"this account already has {per_account} batches running, the most it may "
                                "(wait for one to end, or cancel one)")
@@ -303,10 +125,10 @@ class BatchStore:
         """The batch with its lines, in one transaction: a line that cannot run is failed at once
         with its error line. The account's count of running batches is checked in the same
         transaction (AccountAtCap), so requests sent together cannot all pass a check made before."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             self._check_room(db, account, per_account)
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?)",
-                       (batch["id"], _owner(account), key_id, batch["created_at"], batch["status"], json.dumps(batch)))
+                       (batch["id"], owner_of(account), key_id, batch["created_at"], batch["status"], json.dumps(batch)))
             db.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, request, state, result) "
                            "VALUES (?, ?, ?, ?, ?, ?)",
                            ((batch["id"], parsed.line, parsed.custom_id,
@@ -316,17 +138,17 @@ class BatchStore:
             self.leases.take(db, [batch["id"]])  # this server runs it
 
     def batch(self, account: str | None, batch_id: str) -> dict[str, Any] | None:
-        with self._lock, closing(self._connect()) as db:
+        with self.database.reading() as db:
             row = db.execute("SELECT batch FROM batches WHERE id = ? AND account = ?",
-                             (batch_id, _owner(account))).fetchone()
+                             (batch_id, owner_of(account))).fetchone()
         return json.loads(row[0]) if row else None
 
     def batches(self, account: str | None, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        query, params = "SELECT batch FROM batches WHERE account = ?", [_owner(account)]
-        with self._lock, closing(self._connect()) as db:
+        query, params = "SELECT batch FROM batches WHERE account = ?", [owner_of(account)]
+        with self.database.reading() as db:
             if after is not None:
                 row = db.execute("SELECT rowid FROM batches WHERE id = ? AND account = ?",
-                                 (after, _owner(account))).fetchone()
+                                 (after, owner_of(account))).fetchone()
                 if row is not None:
                     query += " AND rowid < ?"
                     params.append(row[0])
@@ -335,7 +157,7 @@ class BatchStore:
 
     def update_batch(self, batch: dict[str, Any]) -> None:
         """The runner's change to a batch it holds (LeaseLost if it holds it no more)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             self.leases.check(db, batch["id"])
             db.execute("UPDATE batches SET status = ?, batch = ? WHERE id = ?",
                        (batch["status"], json.dumps(batch), batch["id"]))
@@ -344,9 +166,9 @@ class BatchStore:
                       change: dict[str, Any]) -> dict[str, Any] | None:
         """Apply `change` to the batch if its status is one of `allowed`; the batch as it is now
         (None: not found)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             row = db.execute("SELECT batch FROM batches WHERE id = ? AND account = ?",
-                             (batch_id, _owner(account))).fetchone()
+                             (batch_id, owner_of(account))).fetchone()
             if row is None:
                 return None
             batch = json.loads(row[0])
@@ -360,7 +182,7 @@ class BatchStore:
         """The batches with work left that no other live server holds, oldest first, their leases
         taken: what a start resumes and what is taken over from a server that died (`running`:
         those this server runs already)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             rows = db.execute(f"SELECT id, account, key_id, batch FROM batches WHERE status IN "
                               f"({','.join('?' * len(ACTIVE))}) ORDER BY rowid", ACTIVE).fetchall()
             rows = [row for row in rows if row[0] not in running]
@@ -370,13 +192,13 @@ class BatchStore:
     def renew(self, batch_ids: list[str]) -> dict[str, str]:
         """Renew this server's leases on `batch_ids`; the status of each batch it still holds
         (a cancel sent to another server shows here as `cancelling`)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             held = self.leases.renew(db, batch_ids)
             return {id: status for id, status in db.execute(
                 f"SELECT id, status FROM batches WHERE id IN ({','.join('?' * len(held))})", list(held))}
 
     def pending_lines(self, batch_id: str, after: int, limit: int) -> list[PendingLine]:
-        with self._lock, closing(self._connect()) as db:
+        with self.database.reading() as db:
             rows = db.execute("SELECT line, custom_id, request FROM batch_lines WHERE batch_id = ? AND "
                               "state = 'pending' AND line > ? ORDER BY line LIMIT ?",
                               (batch_id, after, limit)).fetchall()
@@ -387,7 +209,7 @@ class BatchStore:
         already (a second answer after a restart raced it) keeps its first result. A result that
         would take the batch's output past its cap is failed instead, with an error naming it."""
         result = json.dumps(outcome.result)
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             self.leases.check(db, batch["id"])
             completed = outcome.completed
             if completed:
@@ -413,7 +235,7 @@ class BatchStore:
                            (json.dumps(counts), batch["id"]))
 
     def totals(self, batch_id: str) -> BatchTotals:
-        with self._lock, closing(self._connect()) as db:
+        with self.database.reading() as db:
             return self._totals(db, batch_id)
 
     @staticmethod
@@ -443,7 +265,7 @@ class BatchStore:
                            (batch_id, state)).fetchone()
         if lines is None:
             return None
-        return self._insert_file(db, account, "batch_output", filename, pieces(), None).id
+        return self.files.write(db, account, "batch_output", filename, pieces(), None).id
 
     def finalize(self, account: str, batch: dict[str, Any], change: dict[str, Any],
                  unfinished: dict[str, Any] | None) -> dict[str, Any]:
@@ -451,7 +273,7 @@ class BatchStore:
         `change`, in one transaction, under the batch's lease (LeaseLost: another server ends
         it). Lines still pending get `unfinished` as their error (an expired batch's), or are
         left out (a cancelled one's)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             self.leases.check(db, batch["id"])
             if unfinished is not None:
                 pending = db.execute("SELECT line, custom_id FROM batch_lines WHERE batch_id = ? AND "
@@ -479,7 +301,7 @@ class BatchStore:
     def fail_batch(self, batch: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
         """End a batch that could not be finalized as `failed`, with `error` in its errors, under its
         lease; its lines' results go with it."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             self.leases.check(db, batch["id"])
             batch.update(status="failed", failed_at=int(time.time()),
                          errors={"object": "list", "data": [{**error, "param": None, "line": None}]})
@@ -501,19 +323,3 @@ def usage(totals: BatchTotals) -> dict[str, Any]:
 def error_line(custom_id: str | None, response: dict[str, Any] | None, error: dict[str, Any] | None) -> dict[str, Any]:
     """A line of a batch's error file, as OpenAI writes it."""
     return {"id": new_id("batch_req"), "custom_id": custom_id, "response": response, "error": error}
-
-
-def lines_of(content: bytes) -> Iterator[tuple[int, bytes]]:
-    """(line number from 1, line) of a JSONL file's non-blank lines, found one at a time: a file
-    of many short lines is never split into a list of them (a 60 MiB file of 3-byte lines made
-    20 million objects, about 1 GB)."""
-    number, start = 1, 0
-    while start < len(content):
-        end = content.find(b"\n", start)
-        if end < 0:
-            end = len(content)
-        line = content[start:end]
-        if line.strip():
-            yield number, line
-        number += 1
-        start = end + 1

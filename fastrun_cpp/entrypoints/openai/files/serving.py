@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
-from fastrun_cpp.entrypoints.openai.batches.store import BatchStore, FileBudgetExceeded, StoredFile, lines_of
+from fastrun_cpp.entrypoints.openai.files.store import FileBudgetExceeded, FileStore, StoredFile, lines_of
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.entrypoints.request_context import current_record
@@ -28,7 +28,7 @@ def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 class OpenAIServingFiles:
-    def __init__(self, store: BatchStore, store_thread: StoreThread, *, max_lines: int) -> None:
+    def __init__(self, store: FileStore, store_thread: StoreThread, *, max_lines: int) -> None:
         self.store = store
         self.in_store = store_thread.run
         self.max_lines = max_lines
@@ -58,7 +58,7 @@ class OpenAIServingFiles:
         await asyncio.to_thread(self._check_batch_file, content)
         filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME]
         try:
-            stored = await self.in_store(self.store.put_file, account(), purpose, filename, content)
+            stored = await self.in_store(self.store.put, account(), purpose, filename, content)
         except FileBudgetExceeded as exc:
             raise APIError(429, str(exc), "rate_limit_error") from None
         finally:
@@ -95,7 +95,7 @@ class OpenAIServingFiles:
 
     async def batch_file(self, file_id: str) -> bytes:
         """An uploaded batch file whole (at most the body limit): what a batch is parsed from."""
-        content = await self.in_store(self.store.file_content, account(), file_id)
+        content = await self.in_store(self.store.content, account(), file_id)
         if content is None:
             raise APIError(404, f"no file with id {file_id!r}")
         return content
@@ -106,7 +106,7 @@ class OpenAIServingFiles:
 
         async def pieces() -> AsyncIterator[bytes]:
             seq = 0
-            while piece := await self.in_store(self.store.file_piece, owner, file_id, seq):
+            while piece := await self.in_store(self.store.piece, owner, file_id, seq):
                 yield piece
                 seq += 1
 
@@ -118,6 +118,6 @@ class OpenAIServingFiles:
         return _page([stored.as_api() for stored in files], has_more)
 
     async def delete(self, file_id: str) -> dict[str, Any]:
-        if not await self.in_store(self.store.delete_file, account(), file_id):
+        if not await self.in_store(self.store.delete, account(), file_id):
             raise APIError(404, f"no file with id {file_id!r}")
         return {"id": file_id, "object": "file", "deleted": True}
