@@ -398,27 +398,35 @@ def test_files_batches_and_answers_stay_within_their_account(tmp_path):
     assert stat.S_IMODE(os.stat(store).st_mode) == 0o600
 
 
-def test_a_batch_survives_kill_9_and_no_line_is_answered_twice(tmp_path):
+def _killed_mid_batch(tmp_path, arguments: tuple[str, ...], count: int, done: int):
+    """A batch of `count` long chat lines, on a server killed with kill -9 once `done` of them
+    are done: (the environment naming its data directory, the lines, the batch's id, the lines
+    done at the kill)."""
     env = {"FASTRUN_KEYS_DB": str(tmp_path / "keys.sqlite3"), "FASTRUN_PROMPT_CACHE_DIR": str(tmp_path / "cache")}
-    arguments = ("--slots", "2", "--ctx-size", "1024")
-    questions = {f"k{i}": f"List some words that start with the letter {chr(97 + i)}." for i in range(10)}
-    lines = [chat_line(custom_id, question, max_tokens=48, logit_bias=NO_EOS)
-             for custom_id, question in questions.items()]
+    lines = [chat_line(f"k{i}", f"List some words that start with the letter {chr(97 + i)}.", max_tokens=48,
+                       logit_bias=NO_EOS) for i in range(count)]
     with run_server(*arguments, log_dir=tmp_path, env=env) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 600)
+        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= done, 600)
+        done_before = client.batches.retrieve(batch.id).request_counts.completed
         server.process.kill()  # kill -9, in the middle
         server.process.wait()
+    return env, lines, batch.id, done_before
+
+
+def test_a_batch_survives_kill_9_and_no_line_is_answered_twice(tmp_path):
+    arguments = ("--slots", "2", "--ctx-size", "1024")
+    env, lines, batch_id, _ = _killed_mid_batch(tmp_path, arguments, 10, 2)
     with run_server(*arguments, log_dir=tmp_path, env=env) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        batch = finished(client, batch.id)
+        batch = finished(client, batch_id)
         rerun = _line_runs(server)
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 10, 0)
         outputs = file_lines(client, batch.output_file_id)
-        assert sorted(line["custom_id"] for line in outputs) == sorted(questions)  # each once
+        assert sorted(line["custom_id"] for line in outputs) == sorted(line["custom_id"] for line in lines)  # once
         assert rerun <= 8  # at least the 2 lines done before the kill were not run again
         same_as_direct(client, {line["custom_id"]: line for line in outputs},
                        {line["custom_id"]: line["body"] for line in lines})
@@ -430,35 +438,24 @@ def test_two_servers_on_one_data_directory_run_each_line_once(tmp_path):
     between them (both resumed every line: 36 runs for 20 lines), and when the one running the
     batch is killed too, the other takes it over and finishes it. One line runs at a time, so
     the batch outlasts the start of the servers by far."""
-    env = {"FASTRUN_KEYS_DB": str(tmp_path / "keys.sqlite3"), "FASTRUN_PROMPT_CACHE_DIR": str(tmp_path / "cache")}
     arguments = ("--slots", "2", "--ctx-size", "1024", "--batch-lines-in-flight", "1", "--job-lease-s", "3")
-    questions = {f"k{i}": f"List some words that start with the letter {chr(97 + i)}." for i in range(24)}
-    lines = [chat_line(custom_id, question, max_tokens=48, logit_bias=NO_EOS)
-             for custom_id, question in questions.items()]
-    with run_server(*arguments, log_dir=tmp_path, env=env) as first:
-        client = openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0)
-        batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 4, 600)
-        done_before = client.batches.retrieve(batch.id).request_counts.completed
-        first.process.kill()
-        first.process.wait()
+    env, lines, batch_id, done_before = _killed_mid_batch(tmp_path, arguments, 24, 4)
     with run_server(*arguments, log_dir=tmp_path, env=env) as second, \
             run_server(*arguments, log_dir=tmp_path, env=env) as third:
         servers = (second, third)
         client = openai.OpenAI(base_url=third.base_url, api_key="unused", max_retries=0)
         # Both servers up, and lines answered meanwhile: by then both ran lines, before leases.
-        assert wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= done_before + 8, 600)
+        assert wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= done_before + 8, 600)
         holder, survivor = sorted(servers, key=_line_runs, reverse=True)
         assert _line_runs(survivor) == 0, "both servers ran the batch's lines"
         holder.process.kill()  # the one running it dies too: the other takes it over
         holder.process.wait()
         client = openai.OpenAI(base_url=survivor.base_url, api_key="unused", max_retries=0)
-        batch = finished(client, batch.id)
+        batch = finished(client, batch_id)
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (24, 24, 0)
         outputs = file_lines(client, batch.output_file_id)
-        assert sorted(line["custom_id"] for line in outputs) == sorted(questions)  # each once
+        assert sorted(line["custom_id"] for line in outputs) == sorted(line["custom_id"] for line in lines)  # once
         # Each line left ran once, but for the one in flight when each server was killed.
         assert _line_runs(holder) + _line_runs(survivor) <= len(lines) - done_before + 2
 

@@ -103,8 +103,16 @@ class BatchRunner:
         await asyncio.gather(*tasks, *(t for t in [self._task] if t is not None), return_exceptions=True)
 
     def add(self, owed: OwedBatch) -> None:
-        self._running[owed.batch["id"]] = _Running(owed)
+        self._start(owed)
         self._wake.set()
+
+    def _start(self, owed: OwedBatch) -> bool:
+        """Work on the batch; False if it is worked on already (a batch created here while owed
+        work was read)."""
+        if owed.batch["id"] in self._running:
+            return False
+        self._running[owed.batch["id"]] = _Running(owed)
+        return True
 
     def cancel(self, batch: dict[str, Any]) -> None:
         """The batch is now `cancelling`: stop its lines in flight; it ends `cancelled`."""
@@ -140,10 +148,9 @@ class BatchRunner:
         """Take the batches with work left that no live server holds: at start, a restart's
         work; later, that of a server that died."""
         owed = await self._in_store(self.store.owed_batches, frozenset(self._running))
-        for batch in owed:
-            self._running[batch.batch["id"]] = _Running(batch)
-        if owed:
-            logger.info("resuming %d batches", len(owed))
+        started = [batch for batch in owed if self._start(batch)]
+        if started:
+            logger.info("resuming %d batches", len(started))
         self._renew_at = time.monotonic() + self.store.leases.renew_every_s
 
     async def _renew(self) -> None:

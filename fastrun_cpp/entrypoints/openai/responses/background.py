@@ -66,10 +66,9 @@ class BackgroundResponses:
         """Run the jobs not done that no live server holds: at start, a restart's work; later,
         that of a server that died."""
         owed = await self.serving.in_store(self.serving.store.owed_background, frozenset(self._running))
-        for job in owed:
-            self.run(job)
-        if owed:
-            logger.info("running %d background responses again", len(owed))
+        started = [job for job in owed if self.run(job)]
+        if started:
+            logger.info("running %d background responses again", len(started))
 
     async def _keep_leases(self) -> None:
         store = self.serving.store
@@ -96,10 +95,14 @@ class BackgroundResponses:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def run(self, job: BackgroundJob) -> None:
+    def run(self, job: BackgroundJob) -> bool:
+        """Start the job; False if it runs already (a job queued here while owed work was read)."""
+        if job.response_id in self._running:
+            return False
         running = _Running(job)
         self._running[job.response_id] = running
         running.task = asyncio.create_task(self._run(running), name=f"fastrun-background-{job.response_id}")
+        return True
 
     def is_running(self, response_id: str) -> bool:
         running = self._running.get(response_id)
