@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
 import struct
 import zlib
 
@@ -20,7 +21,7 @@ import pytest
 from PIL import Image
 
 from fastrun_cpp.tiny_projector import n_image_tokens
-from tests.server import run_server
+from tests.server import run_server, wait_until
 
 MODEL = "gemma-3-270m-q4_k_m"
 IMAGE_TOKENS = n_image_tokens(224, 14)  # the tiny projector's 224-pixel input, 14-pixel patches, pooled 4x4
@@ -274,3 +275,31 @@ def test_an_image_prompt_is_a_disk_hit_after_a_restart(gemma_path, projector, ca
     assert answer_of(after) == answer_of(before)
     usage = after.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+
+
+def test_images_in_batch_lines_and_background_responses_answer_as_direct_ones(server):
+    """Work the server owns carries images too: a batch line with an image, and a background
+    response with an input_image, get the answer the same request gets sent directly."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    content = [{"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": PNG_77}}]
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    line = json.dumps({"custom_id": "image", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    uploaded = client.files.create(file=("lines.jsonl", line.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait_until(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed", "expired"), 600)
+    batch = client.batches.retrieve(batch.id)
+    assert batch.request_counts.completed == 1, batch
+    (output,) = [json.loads(text) for text in client.files.content(batch.output_file_id).text.splitlines()]
+    answered = output["response"]["body"]
+    direct = client.chat.completions.create(**body)
+    assert answered["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    assert answered["usage"]["prompt_tokens"] == direct.usage.prompt_tokens > IMAGE_TOKENS
+
+    request = dict(model=MODEL, max_output_tokens=8, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is in this picture?"}, {"type": "input_image", "image_url": PNG_0}]}])
+    queued = client.responses.create(background=True, **request)
+    assert wait_until(lambda: client.responses.retrieve(queued.id).status not in ("queued", "in_progress"), 600)
+    background = client.responses.retrieve(queued.id)
+    assert background.status in ("completed", "incomplete"), background
+    assert background.output_text == client.responses.create(**request).output_text
+    assert background.usage.input_tokens > IMAGE_TOKENS
