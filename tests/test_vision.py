@@ -263,20 +263,6 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
                 >= IMAGE_TOKENS), (with_image.requests, without.requests)
 
 
-def test_an_image_prompt_is_a_disk_hit_after_a_restart(gemma_path, projector, cache_dir, server, tmp_path):
-    """Last of the module's server: stopped, its slots go to the disk tier; a new server on
-    the same cache answers the same image prompt from there, exactly as before."""
-    text = "After a restart?"
-    before = ask(server, PNG_77, text=text)
-    server.process.terminate()
-    assert server.process.wait(timeout=90) == 0
-    with vision_server(gemma_path, projector, cache_dir, tmp_path) as restarted:
-        after = ask(restarted, PNG_77, text=text)
-    assert answer_of(after) == answer_of(before)
-    usage = after.json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
-
-
 def test_images_in_batch_lines_and_background_responses_answer_as_direct_ones(server):
     """Work the server owns carries images too: a batch line with an image, and a background
     response with an input_image, get the answer the same request gets sent directly."""
@@ -303,3 +289,18 @@ def test_images_in_batch_lines_and_background_responses_answer_as_direct_ones(se
     assert background.status in ("completed", "incomplete"), background
     assert background.output_text == client.responses.create(**request).output_text
     assert background.usage.input_tokens > IMAGE_TOKENS
+
+
+def test_an_image_prompt_is_a_disk_hit_after_a_restart(gemma_path, projector, cache_dir, server, tmp_path):
+    """Last of the module's server: stopped, its slots go to the disk tier; a new server on
+    the same cache answers the same image prompt from there, exactly as before."""
+    text = "After a restart?"
+    before = ask(server, PNG_77, text=text)
+    server.process.terminate()
+    assert server.process.wait(timeout=90) == 0
+    with vision_server(gemma_path, projector, cache_dir, tmp_path) as restarted:
+        after = ask(restarted, PNG_77, text=text)
+    assert answer_of(after) == answer_of(before)
+    usage = after.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+
