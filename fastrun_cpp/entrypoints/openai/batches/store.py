@@ -234,10 +234,6 @@ class BatchStore:
                 db.execute("UPDATE batches SET batch = json_set(batch, '$.request_counts', json(?)) WHERE id = ?",
                            (json.dumps(counts), batch["id"]))
 
-    def totals(self, batch_id: str) -> BatchTotals:
-        with self.database.reading() as db:
-            return self._totals(db, batch_id)
-
     @staticmethod
     def _totals(db: sqlite3.Connection, batch_id: str) -> BatchTotals:
         return BatchTotals(*db.execute(
