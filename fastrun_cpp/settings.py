@@ -198,9 +198,9 @@ class Settings(BaseSettings):
         "once: the server running one renews its lease on it every third of this; a job whose server died is taken "
         "over when its lease lapses (at once by a server on the same host).")
     batch_lines_in_flight: int | None = Field(
-        None, ge=1, description="Batch lines sent to the engines at once, over all batches, and background "
-        "responses likewise (both run at bulk priority, behind every interactive request); unset: one per slot of "
-        "the served models.")
+        None, ge=1, description="Runs of the server's own work in the engines at once: batch lines and "
+        "background responses, one queue over both, taken in turn by account (at bulk priority, behind every "
+        "interactive request); unset: one per slot of the served models.")
     keys_refresh_s: float = Field(2.0, gt=0, description="How often new and revoked keys are picked up, seconds.")
     auth: bool = Field(
         True,

@@ -17,6 +17,7 @@ from fastrun_cpp.default_model import embedded_model_path
 from tests.server import DEFAULT_MODEL, models_file, run_server, wait_until
 from tests.test_keys import bearer, create_key, keys_cli
 from tests.test_batches import busy_slots, client, server  # noqa: F401 (fixtures: a server of this module's own)
+from tests.test_batches import finished, upload
 
 QUESTION = "Name three rivers."
 
@@ -267,3 +268,43 @@ def test_a_background_responses_events_go_with_it(tmp_path):
                                         "WHERE id = ?", (second.id,)).fetchone()
         assert kept == [second.id] and jobs == [second.id]
         assert size > response  # its events count in its size
+
+
+def test_batch_lines_and_background_responses_are_runs_of_one_queue(tmp_path, tiny_model_path):
+    """Batch lines and background responses are runs of one queue with one limit in flight: with
+    one at a time, the engine never holds two (each kind had places of its own, so a batch line
+    and a background response were in the engine together), and another account's background
+    responses take their turns between an account's batch lines, not after the batch."""
+    db = tmp_path / "keys.sqlite3"
+    alice, bob, ops = (create_key(db, name) for name in ("alice", "bob", "ops"))
+    assert keys_cli(db, "admin", "ops").returncode == 0
+    models = models_file(tmp_path / "models.toml", [
+        {"id": "babble", "path": str(tiny_model_path), "slots": 2, "ctx_size": 2048, "prompt_cache_mib": 64}])
+    lines = [{"custom_id": f"a{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "babble", "messages": [{"role": "user", "content": f"Go on, {i}."}], "max_tokens": 48}}
+        for i in range(12)]
+    with run_server("--models-file", str(models), "--batch-lines-in-flight", "1", log_dir=tmp_path,
+                    env={"FASTRUN_KEYS_DB": str(db)}) as server:
+        as_alice = openai.OpenAI(base_url=server.base_url, api_key=alice, max_retries=0)
+        as_bob = openai.OpenAI(base_url=server.base_url, api_key=bob, max_retries=0)
+        batch = as_alice.batches.create(input_file_id=upload(as_alice, lines).id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        assert wait_until(lambda: as_alice.batches.retrieve(batch.id).request_counts.completed >= 1, 120)
+        before = as_alice.batches.retrieve(batch.id).request_counts.completed
+        jobs = [as_bob.responses.create(model="babble", input=f"Go on, {i}.", background=True,
+                                        max_output_tokens=48).id for i in range(2)]
+        most_in_engine = 0
+
+        def bobs_jobs_ended() -> bool:
+            nonlocal most_in_engine
+            model = server.health(ops)["models"]["babble"]
+            most_in_engine = max(most_in_engine, model["busy_slots"] + model["waiting"])
+            return all(as_bob.responses.retrieve(job).status not in ("queued", "in_progress") for job in jobs)
+
+        assert wait_until(bobs_jobs_ended, 300)
+        lines_meanwhile = as_alice.batches.retrieve(batch.id).request_counts.completed - before
+        # At most: the line in flight as bob's jobs came (and one started while `before` was
+        # read), then one between bob's two turns.
+        assert lines_meanwhile <= 3, f"{lines_meanwhile} of alice's lines ran before bob's two jobs ended"
+        assert most_in_engine == 1, f"{most_in_engine} runs of the server's own work were in the engine at once"
+        assert finished(as_alice, batch.id).request_counts.completed == len(lines)

@@ -1,10 +1,12 @@
-"""Grammar compiles and schema conversions take turns by account (fastrun_cpp/fair_turns.py):
-one tenant's queue of compiles delays another's by at most one of each, and a compile whose
-client left while it waited never runs."""
+"""Grammar compiles, schema conversions and image encodes take turns by account
+(fastrun_cpp/fair_turns.py): one tenant's queue of compiles delays another's by at most one of
+each, a tenant's turns count by the time they take, and a compile whose client left while it
+waited never runs."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 from fastrun_cpp.fair_turns import FairTurns
 
@@ -27,7 +29,7 @@ async def _run_in_order(turns: FairTurns, jobs: list[tuple[str, str]]):
 
 def test_a_tenant_with_many_compiles_waits_its_turn_behind_one_with_few():
     async def scenario() -> list[str]:
-        turns = FairTurns(1)
+        turns = FairTurns(1, clock=lambda: 0.0)  # jobs of equal cost: turns go round the accounts
         jobs = [("a", f"a{i}") for i in range(5)] + [("b", "b0"), ("c", "c0")]
         ran, tasks, releases = await _run_in_order(turns, jobs)
         for _ in jobs:  # let each running job finish, one at a time
@@ -59,3 +61,57 @@ def test_a_compile_whose_caller_left_while_waiting_never_runs_and_gives_its_plac
 
     ran, waiting = asyncio.run(scenario())
     assert ran == ["first", "next", "after"] and waiting == 0
+
+
+async def _finish_in_turn(ran: list[str], releases: dict[str, asyncio.Event], count: int, cost_s: Callable[[str], float],
+                          clock: list[float]) -> None:
+    """Let `count` running jobs finish, one at a time, the fake clock moved on by each one's cost."""
+    for _ in range(count):
+        while not ran or releases[ran[-1]].is_set():
+            await asyncio.sleep(0)
+        clock[0] += cost_s(ran[-1])
+        releases[ran[-1]].set()
+        await asyncio.sleep(0)
+
+
+def test_a_tenants_turns_count_by_the_time_they_take_not_by_their_number():
+    """After one of a heavy tenant's long compiles, a light tenant's quick ones all go before its
+    next (turns round by count gave the light tenant one compile per heavy one: each of its
+    quick compiles waited out a long one)."""
+    async def scenario() -> list[str]:
+        clock = [0.0]
+        turns = FairTurns(1, clock=lambda: clock[0])
+        jobs = [("heavy", f"h{i}") for i in range(4)] + [("light", f"l{i}") for i in range(4)]
+        ran, tasks, releases = await _run_in_order(turns, jobs)
+        await _finish_in_turn(ran, releases, len(jobs), lambda name: 10.0 if name[0] == "h" else 0.01, clock)
+        await asyncio.gather(*tasks)
+        return ran
+
+    assert asyncio.run(scenario()) == ["h0", "l0", "l1", "l2", "l3", "h1", "h2", "h3"]
+
+
+def test_an_account_that_comes_later_starts_level_with_those_present():
+    """An account that starts waiting after another used much time is not owed that time: at
+    equal costs from then on, their turns alternate (it does not take every place until it has
+    used as much)."""
+    async def scenario() -> list[str]:
+        clock = [0.0]
+        turns = FairTurns(1, clock=lambda: clock[0])
+        ran: list[str] = []
+        releases: dict[str, asyncio.Event] = {}
+        tasks = []
+
+        async def queue(account: str, names: list[str]) -> None:
+            for name in names:
+                releases[name] = asyncio.Event()
+                tasks.append(asyncio.create_task(_job(turns, account, name, ran, releases[name])))
+                await asyncio.sleep(0)
+
+        await queue("old", [f"o{i}" for i in range(6)])
+        await _finish_in_turn(ran, releases, 3, lambda name: 5.0, clock)
+        await queue("new", [f"n{i}" for i in range(3)])
+        await _finish_in_turn(ran, releases, 6, lambda name: 5.0, clock)
+        await asyncio.gather(*tasks)
+        return ran
+
+    assert asyncio.run(scenario()) == ["o0", "o1", "o2", "o3", "n0", "o4", "n1", "o5", "n2"]

@@ -9,15 +9,18 @@ import sqlite3
 import threading
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from fastrun_cpp.private import create_private
 
 
 class Database:
-    def __init__(self, path: Path, *schemas: str, timeout_s: float = 30) -> None:
+    def __init__(self, path: Path, *schemas: str, timeout_s: float = 30,
+                 migrate: Callable[[sqlite3.Connection], None] | None = None) -> None:
+        """`migrate`: brings a database made by an older version up to `schemas`, run after them."""
         self.path = Path(path).expanduser()
         self._schemas = schemas
+        self._migrate = migrate
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._ready = False
@@ -29,6 +32,8 @@ class Database:
         if not self._ready:
             connection.execute("PRAGMA journal_mode=WAL")
             connection.executescript("".join(self._schemas))
+            if self._migrate is not None:
+                self._migrate(connection)
             connection.commit()
             self._ready = True
         return connection

@@ -25,7 +25,7 @@ async def server_status(request: Request) -> dict:
         # Each model's state, slots, queue, memory, keep-alive and counters since start (the
         # page draws rates from the differences between two reads).
         "models": state.serving_models.status(),
-        "batches": state.batch_runner.progress(),
+        "batches": state.batches.progress(),
         "background_responses": state.serving_responses.background.progress(),
         "usage_window_s": USAGE_WINDOW_S,
         "usage": {account: dataclasses.asdict(used) for account, used in usage.items()},

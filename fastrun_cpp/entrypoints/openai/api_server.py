@@ -21,6 +21,7 @@ from fastrun_cpp.entrypoints.anthropic.serving import AnthropicServingMessages
 from fastrun_cpp.entrypoints.auth import Authenticator, is_loopback
 from fastrun_cpp.entrypoints.database import Database
 from fastrun_cpp.entrypoints.leases import SCHEMA as LEASES_SCHEMA
+from fastrun_cpp.entrypoints.jobs import JobRunner
 from fastrun_cpp.entrypoints.leases import Leases
 from fastrun_cpp.entrypoints.tenancy import AccountGate, UsageRecorder
 from fastrun_cpp.entrypoints.ui import ui_router
@@ -32,7 +33,7 @@ from fastrun_cpp.entrypoints.middleware import (
 )
 from fastrun_cpp.entrypoints.operator import router as operator_router
 from fastrun_cpp.entrypoints.openai.batches.router import router as batches_router
-from fastrun_cpp.entrypoints.openai.batches.runner import BatchRunner
+from fastrun_cpp.entrypoints.openai.batches.jobs import Batches
 from fastrun_cpp.entrypoints.openai.batches.serving import OpenAIServingBatches
 from fastrun_cpp.entrypoints.openai.batches.store import SCHEMA as BATCHES_SCHEMA
 from fastrun_cpp.entrypoints.openai.batches.store import BatchStore
@@ -172,14 +173,12 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
                            "every local user; create one with `fastrun-cpp keys create --account NAME`",
                            settings.keys_db)
         preloading = asyncio.create_task(preload(), name="fastrun-preload")
-        await batch_runner.start()
-        await responses.background.start()
+        await job_runner.start()
         try:
             yield
         finally:
             # Lines and background responses in flight stay owed: they run again after a restart.
-            await batch_runner.stop()
-            await responses.background.stop()
+            await job_runner.stop()
             preloading.cancel()
             await authenticator.stop()
             await asyncio.to_thread(usage.close)
@@ -206,18 +205,19 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     app.state.serving_rerank = OpenAIServingRerank(models, **serving_options)
     leases = Leases(settings.job_lease_s)  # this server's, on the jobs it runs
     store = response_store(settings, leases)
-    bulk_in_flight = settings.batch_lines_in_flight or sum(config.slots * config.replicas for config in registry.models)
-    app.state.serving_responses = responses = OpenAIServingResponses(
-        chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))),
-        key_for=authenticator.key_by_id, gate=gate, usage=usage, background_in_flight=bulk_in_flight,
-        background_per_account=settings.batches_per_account)
+    # The server's own work (batch lines, background responses): one runner, about one run per slot.
+    job_runner = JobRunner(in_flight=settings.batch_lines_in_flight or
+                           sum(config.slots * config.replicas for config in registry.models),
+                           renew_every_s=leases.renew_every_s)
+    app.state.serving_responses = OpenAIServingResponses(
+        chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))), job_runner,
+        key_for=authenticator.key_by_id, gate=gate, usage=usage, background_per_account=settings.batches_per_account)
     app.state.serving_messages = AnthropicServingMessages(chat)
     batches = batch_store(settings, leases)
     batch_thread = StoreThread("fastrun-batches")
     app.state.serving_files = files = OpenAIServingFiles(batches.files, batch_thread, max_lines=settings.batch_max_lines)
-    app.state.batch_runner = batch_runner = BatchRunner(app, batches, batch_thread, key_for=authenticator.key_by_id,
-                                                        in_flight=bulk_in_flight)
-    app.state.serving_batches = OpenAIServingBatches(files, batch_runner, per_account=settings.batches_per_account,
+    app.state.batches = batch_jobs = Batches(job_runner, app, batches, batch_thread, key_for=authenticator.key_by_id)
+    app.state.serving_batches = OpenAIServingBatches(files, batch_jobs, per_account=settings.batches_per_account,
                                                      parse=chat.parse)
     for api in (*API_ROUTERS, health_router, operator_router):
         app.include_router(api)

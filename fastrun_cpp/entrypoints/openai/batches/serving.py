@@ -1,5 +1,5 @@
 """The Batch API: a batch is validated line by line when it is created, then its lines are run
-by the BatchRunner."""
+as a job of the server's one runner (`batches/jobs.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastrun_cpp.entrypoints.openai.batches.protocol import (
     BatchCreateRequest,
     window_seconds,
 )
-from fastrun_cpp.entrypoints.openai.batches.runner import BatchRunner
+from fastrun_cpp.entrypoints.openai.batches.jobs import Batches
 from fastrun_cpp.entrypoints.openai.batches.store import OwedBatch, ParsedLine, error_line
 from fastrun_cpp.entrypoints.openai.files.store import lines_of, new_id
 from fastrun_cpp.entrypoints.tenancy import AccountAtCap
@@ -82,12 +82,12 @@ def parse_lines(content: bytes, endpoint: str) -> list[ParsedLine]:
 
 
 class OpenAIServingBatches:
-    def __init__(self, files: OpenAIServingFiles, runner: BatchRunner, *, per_account: int,
+    def __init__(self, files: OpenAIServingFiles, batches: Batches, *, per_account: int,
                  parse: Callable[..., Awaitable[Any]]) -> None:
         self.parse = parse  # the serving layer's body reader (checked, decoded off the loop)
         self.files = files
-        self.store = runner.store
-        self.runner = runner
+        self.store = batches.store
+        self.batches = batches
         self.per_account = per_account
 
     async def create(self, request: BatchCreateRequest) -> dict[str, Any]:
@@ -123,7 +123,7 @@ class OpenAIServingBatches:
         record = current_record()
         key_id = record.key_id if record is not None else None
         await self._within_cap(self.store.create_batch, owner, key_id, batch, lines, per_account=self.per_account)
-        self.runner.add(OwedBatch(owner or "", key_id, dict(batch)))
+        self.batches.add(OwedBatch(owner or "", key_id, dict(batch)))
         return batch
 
     async def _within_cap(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -150,7 +150,7 @@ class OpenAIServingBatches:
         if batch is None:
             raise APIError(404, f"no batch with id {batch_id!r}")
         if batch["status"] == "cancelling":
-            self.runner.cancel(batch)
+            self.batches.cancel(batch)
         elif batch["status"] not in ("cancelled",):
             raise APIError(409, f"the batch is {batch['status']} and cannot be cancelled")
         return batch

@@ -44,6 +44,7 @@ from fastrun_cpp.entrypoints.openai.responses.protocol import (
     ToolOutputItem,
 )
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal
+from fastrun_cpp.entrypoints.jobs import JobRunner
 from fastrun_cpp.entrypoints.openai.responses.background import BackgroundResponses, request_for_background
 from fastrun_cpp.entrypoints.openai.responses.store import BackgroundJob, ResponseStore, StoredTooLarge
 from fastrun_cpp.entrypoints.tenancy import AccountAtCap
@@ -266,15 +267,14 @@ def as_input_items(output: list[OutputItem]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal, *,
-                 key_for: Callable[[int | None], ActiveKey | None] = lambda key_id: None,
-                 gate: AccountGate | None = None, usage: UsageRecorder | None = None,
-                 background_in_flight: int = 4, background_per_account: int = 16) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal, runner: JobRunner, *,
+                 key_for: Callable[[int | None], ActiveKey | None], gate: AccountGate,
+                 usage: UsageRecorder | None, background_per_account: int) -> None:
         self.chat = chat
         self.store = store
         self.seal = seal
-        self.background = BackgroundResponses(self, key_for=key_for, gate=gate or AccountGate(), usage=usage,
-                                              in_flight=background_in_flight, per_account=background_per_account)
+        self.background = BackgroundResponses(self, runner, key_for=key_for, gate=gate, usage=usage,
+                                              per_account=background_per_account)
         self.in_store = StoreThread("fastrun-responses").run
 
     # ------------------------------------------------------------------ stored responses

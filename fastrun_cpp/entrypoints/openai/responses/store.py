@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastrun_cpp.entrypoints.database import Database
 from fastrun_cpp.entrypoints.leases import SCHEMA as LEASES_SCHEMA
 from fastrun_cpp.entrypoints.leases import Leases
 from fastrun_cpp.entrypoints.tenancy import AccountAtCap
-from fastrun_cpp.private import create_private
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -48,11 +46,16 @@ CREATE TABLE IF NOT EXISTS response_events (
     events TEXT NOT NULL  -- a finished background response's stream events, a JSON list, for replay
 );
 """
-# Stores made before rows had a size, and the index over the account's rows.
-_MIGRATION = """
-CREATE INDEX IF NOT EXISTS responses_by_account ON responses(account, created_at);
-UPDATE responses SET size = length(response) + length(conversation) WHERE size = 0;
-"""
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Stores made before rows had a size, and the index over the account's rows."""
+    if "size" not in {row[1] for row in db.execute("PRAGMA table_info(responses)")}:
+        db.execute("ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
+    db.executescript("CREATE INDEX IF NOT EXISTS responses_by_account ON responses(account, created_at);"
+                     "UPDATE responses SET size = length(response) + length(conversation) WHERE size = 0;")
+
+
 # The rows past a count or a byte budget, newest kept first: over one account or over all.
 _NEWEST_FIRST = "ORDER BY created_at DESC, rowid DESC"
 _PAST_COUNT = "DELETE FROM responses WHERE id IN (SELECT id FROM responses {where} " + _NEWEST_FIRST + \
@@ -98,33 +101,19 @@ class StoreBudget:
 
 class ResponseStore:
     def __init__(self, path: Path, budget: StoreBudget, leases: Leases) -> None:
-        self.path = Path(path).expanduser()
+        self.database = Database(path, _SCHEMA, LEASES_SCHEMA, timeout_s=10, migrate=_migrate)
+        self.path = self.database.path
         self.budget = budget
         self.leases = leases
-        self._lock = threading.Lock()
-        self._ready = False
 
     @property
     def retention_s(self) -> float:
         return self.budget.retention_s
 
-    def _connect(self) -> sqlite3.Connection:
-        if not self._ready:
-            create_private(self.path)  # prompts and answers: the owner's only
-        connection = sqlite3.connect(self.path, timeout=10)
-        if not self._ready:
-            connection.executescript(_SCHEMA + LEASES_SCHEMA)
-            if "size" not in {row[1] for row in connection.execute("PRAGMA table_info(responses)")}:
-                connection.execute("ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
-            connection.executescript(_MIGRATION)
-            connection.commit()
-            self._ready = True
-        return connection
-
     def put(self, account: str | None, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Store a response; the oldest rows of its account past the account's budget go, then
         the oldest of all past the server's."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             self._put(db, account, response, conversation)
 
     def _put(self, db: sqlite3.Connection, account: str | None, response: dict[str, Any],
@@ -154,7 +143,7 @@ class ResponseStore:
                    "WHERE r.id = background.id)")
 
     def get(self, account: str | None, response_id: str) -> StoredResponse | None:
-        with self._lock, closing(self._connect()) as db:
+        with self.database.reading() as db:
             row = db.execute("SELECT response, conversation FROM responses WHERE id = ? AND account = ? "
                              "AND created_at >= ?",
                              (response_id, account or OPEN_ACCOUNT, int(time.time() - self.retention_s))).fetchone()
@@ -163,7 +152,7 @@ class ResponseStore:
         return StoredResponse(json.loads(row[0]), json.loads(row[1]))
 
     def delete(self, account: str | None, response_id: str) -> bool:
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             cursor = db.execute("DELETE FROM responses WHERE id = ? AND account = ?",
                                 (response_id, account or OPEN_ACCOUNT))
             if cursor.rowcount:
@@ -178,7 +167,7 @@ class ResponseStore:
                        request: dict[str, Any], conversation: list[dict[str, Any]], *, per_account: int) -> None:
         """A queued background response, with what it takes to run it (again, after a restart).
         The account's count of those running is checked in the same transaction (AccountAtCap)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             (running,) = db.execute("SELECT COUNT(*) FROM background WHERE account = ? AND done = 0",
                                     (account or OPEN_ACCOUNT,)).fetchone()
             if running >= per_account:
@@ -194,7 +183,7 @@ class ResponseStore:
         """The jobs not done that no other live server holds, oldest first, their leases taken:
         what a start resumes and what is taken over from a server that died (`running`: those
         this server runs already)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             rows = db.execute("SELECT id, account, key_id, request, conversation FROM background WHERE done = 0 "
                               "ORDER BY rowid").fetchall()
             rows = [row for row in rows if row[0] not in running]
@@ -205,12 +194,12 @@ class ResponseStore:
     def renew_background(self, response_ids: list[str]) -> dict[str, bool]:
         """Renew this server's leases on the jobs; for each it still holds, whether a cancel sent
         to another server asks it to stop the job. A job missing was lost (or deleted)."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             return self.leases.renew(db, response_ids)
 
     def stop_elsewhere(self, response_id: str) -> bool:
         """Ask the live server that runs the job, if another, to cancel it; whether one does."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             if not self.leases.held_elsewhere(db, response_id):
                 return False
             self.leases.ask_to_stop(db, response_id)
@@ -223,7 +212,7 @@ class ResponseStore:
         response's size, within the account's budget; events too large to keep with it are
         dropped (the response is kept, and replays nothing)."""
         events_text = json.dumps(events, separators=(",", ":"))
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             self.leases.check(db, response["id"])
             self.leases.release(db, response["id"])
             db.execute("UPDATE background SET done = 1, request = '{}', conversation = '[]' WHERE id = ?",
@@ -238,13 +227,13 @@ class ResponseStore:
     def drop_background(self, response_id: str) -> None:
         """A job whose response is gone (deleted, or past the retention or the budget): it is owed
         no more."""
-        with self._lock, closing(self._connect()) as db, db:
+        with self.database.writing() as db:
             db.execute("DELETE FROM background WHERE id = ?", (response_id,))
             self.leases.release(db, response_id)
 
     def events(self, account: str | None, response_id: str) -> list[str] | None:
         """A finished background response's events (the data of each), or None."""
-        with self._lock, closing(self._connect()) as db:
+        with self.database.reading() as db:
             row = db.execute("SELECT e.events FROM response_events e JOIN responses r ON r.id = e.response_id "
                              "WHERE e.response_id = ? AND r.account = ?",
                              (response_id, account or OPEN_ACCOUNT)).fetchone()
