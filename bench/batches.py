@@ -1,7 +1,10 @@
-"""The Batch API beside interactive traffic: a batch of chat lines sharing a system prompt, its
-throughput against the same lines sent directly, an interactive client's time to first token
-while it runs against idle, the prompt cache's share of its prompt tokens, and a kill -9 in the
-middle of a second batch with the counts after the restart.
+"""The server's own work beside interactive traffic: a batch of chat lines sharing a system
+prompt, its throughput against the same lines sent directly, an interactive client's time to
+first token while it runs against idle, the prompt cache's share of its prompt tokens; then the
+first fifth of those lines as background responses (`background: true`, each followed as a
+stream, as many at once as an account may have), likewise against direct and beside the
+interactive client (both run through the server's one job queue); and a kill -9 in the middle of
+a second batch with the counts after the restart.
 
     python bench/batches.py [--lines 1000] [--max-tokens 24]
 
@@ -38,11 +41,33 @@ INTERACTIVE = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Say 
                "temperature": 0, "stream": True}
 
 
+BACKGROUND_AT_ONCE = 16  # an account's background responses at once (--batches-per-account's default)
+
+
+def message(index: int) -> str:
+    return (f"Message {index}: my parcel number {index * 37 % 1000} has not arrived after {index % 9 + 2} days "
+            "and nobody answers the phone.")
+
+
 def body(index: int, max_tokens: int) -> dict:
     return {"model": MODEL_ID, "max_tokens": max_tokens, "temperature": 0, "messages": [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"Message {index}: my parcel number {index * 37 % 1000} has not arrived "
-                                    f"after {index % 9 + 2} days and nobody answers the phone."}]}
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": message(index)}]}
+
+
+def background(http: httpx.Client, index: int, max_tokens: int) -> dict:
+    """A background response of line `index`, followed as a stream to its end: the response."""
+    request = {"model": MODEL_ID, "instructions": SYSTEM, "input": message(index), "max_output_tokens": max_tokens,
+               "temperature": 0, "background": True, "stream": True}
+    while True:
+        with http.stream("POST", "/responses", json=request) as response:
+            if response.status_code == 429:  # the account's cap: a job of this client's is still ending
+                time.sleep(0.05)
+                continue
+            last = None
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    last = json.loads(line[6:])
+        return last["response"]
 
 
 def jsonl(lines: int, max_tokens: int) -> bytes:
@@ -120,6 +145,28 @@ def main() -> int:
         same = sum(1 for line in outputs if json.loads(line)["response"]["body"]["choices"][0]["message"]["content"]
                    == direct[int(json.loads(line)["custom_id"][5:])]["choices"][0]["message"]["content"])
 
+        # The first fifth of the lines again, as background responses beside the interactive client.
+        jobs = args.lines // 5
+        direct_jobs_s = direct_s * jobs / args.lines  # the direct rate, over as many lines
+        done.clear()
+        busy_background: list[float] = []
+
+        def probe_background() -> None:
+            while not done.is_set():
+                busy_background.append(ttft(http))
+
+        prober = threading.Thread(target=probe_background)
+        prober.start()
+        started = time.perf_counter()
+        with ThreadPoolExecutor(BACKGROUND_AT_ONCE) as pool:
+            answered = list(pool.map(lambda i: background(http, i, args.max_tokens), range(jobs)))
+        background_s = time.perf_counter() - started
+        done.set()
+        prober.join()
+        background_tokens = sum(response["usage"]["output_tokens"] for response in answered)
+        background_same = sum(1 for i, response in enumerate(answered) if response["output"][-1]["content"][0]["text"]
+                              == direct[i]["choices"][0]["message"]["content"])
+
         kill_id = submit(http, args.lines // 5, args.max_tokens)
         before = wait_batch(http, kill_id, lambda b: b["request_counts"]["completed"] >= args.lines // 20)
         os.kill(server.pid, signal.SIGKILL)
@@ -145,6 +192,14 @@ def main() -> int:
     print(f"| interactive TTFT during the batch, median (p90), {len(busy)} requests | "
           f"{statistics.median(busy) * 1000:.0f} ms ({sorted(busy)[int(len(busy) * 0.9)] * 1000:.0f} ms): "
           f"{statistics.median(busy) / statistics.median(idle):.2f}× idle |")
+    print(f"| the first {jobs} lines as background responses, {BACKGROUND_AT_ONCE} at once, beside an interactive "
+          f"client | {background_s:.1f} s, {background_tokens / background_s:.1f} tok/s "
+          f"({direct_jobs_s / background_s:.2f}× of direct) |")
+    print(f"| background responses answered as the direct request | {background_same} of {jobs} |")
+    print(f"| interactive TTFT during the background responses, median (p90), {len(busy_background)} requests | "
+          f"{statistics.median(busy_background) * 1000:.0f} ms "
+          f"({sorted(busy_background)[int(len(busy_background) * 0.9)] * 1000:.0f} ms): "
+          f"{statistics.median(busy_background) / statistics.median(idle):.2f}× idle |")
     print(f"| kill -9 at | {killed_at['completed']} of {killed_at['total']} lines done (seen before the kill) |")
     print(f"| after the restart | {after['status']} in {resumed_s:.1f} s: {after['request_counts']['completed']} "
           f"completed, {after['request_counts']['failed']} failed; output lines {len(ids)}, distinct "

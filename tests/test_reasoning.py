@@ -172,7 +172,9 @@ def test_a_budget_of_0_turns_thinking_off_and_unlimited_leaves_it_on(thinking_cl
     unlimited = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
                            json={**base, "thinking_budget_tokens": -1}).json()
     assert unlimited["choices"][0]["message"]["reasoning"]  # a budget other than 0 turns thinking on
-    assert "completion_tokens_details" not in unlimited["usage"]
+    # Unlimited, the engine still counts the reasoning's tokens (Responses reads them from here).
+    reasoning_tokens = unlimited["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < reasoning_tokens <= unlimited["usage"]["completion_tokens"]
 
 
 def test_anthropic_budget_tokens_is_the_same_hard_cap(thinking_client):
@@ -237,3 +239,23 @@ def test_the_server_budget_and_message_apply_to_each_reasoning_format(tmp_path):
             wider = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
                                json={**body, "thinking_budget_tokens": 5}).json()
             assert wider["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}
+
+
+def test_every_api_counts_the_reasoning_tokens_the_engine_wrote(thinking_client):
+    """The reasoning's tokens are counted by the engine as it writes them, and chat, Responses
+    (streamed and whole) report that one count. (Chat reported none without a budget, and
+    Responses tokenized the reasoning's text again.) The tiny model never writes </think>: every
+    token it writes is reasoning, but the end of the answer."""
+    client, _ = thinking_client
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=QUESTION, max_tokens=40, temperature=0,
+                                          reasoning_effort="high")
+    counted = chat.usage.completion_tokens_details.reasoning_tokens
+    assert counted == chat.usage.completion_tokens - (chat.choices[0].finish_reason == "stop")  # all but its end
+    request = dict(model=DEFAULT_MODEL, input=QUESTION[0]["content"], max_output_tokens=40, temperature=0,
+                   reasoning={"effort": "high"})
+    whole = client.responses.create(**request)
+    streamed = [event for event in client.responses.create(**request, stream=True)][-1].response
+    for response in (whole, streamed):
+        assert response.output[0].type == "reasoning"
+        assert response.usage.output_tokens == chat.usage.completion_tokens
+        assert response.usage.output_tokens_details.reasoning_tokens == counted

@@ -331,7 +331,7 @@ def test_a_custom_tools_lark_grammar_is_enforced(http):
     ('{"input": "a\\nb"}', "a\nb"), ('{"input": "a\\nb', "a\nb"), ('{"input": "ab\\u00', "ab"),
     ('{ "input" : "ab"', "ab"), ("not json", "not json")])
 def test_a_custom_calls_text_even_when_cut(arguments, text):
-    from fastrun_cpp.entrypoints.openai.responses.serving import custom_input
+    from fastrun_cpp.entrypoints.openai.responses.translation import custom_input
 
     assert custom_input(arguments) == text
 

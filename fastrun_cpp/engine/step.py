@@ -250,7 +250,7 @@ class StepRunner:
                     return Picked([], None, len(draft), error=(
                         f"the grammar cannot go on ({exc}); simplify the schema's patterns or repetitions "
                         "(limit --limit-grammar-step-ms)"))
-            if reasoning is not None:
+            if reasoning is not None and token not in self._model.eog_token_ids:  # the end is no reasoning
                 reasoning.seen(token, self._model.token_bytes_special)
             if sampler.constrained and forced is None:
                 # The grammar's CPU for this token: in the step, and ahead of it (MasksAhead).

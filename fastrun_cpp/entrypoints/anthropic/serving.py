@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 from sse_starlette import ServerSentEvent
 
-from fastrun_cpp.entrypoints.answer import AnswerDelta, AnswerEvents, AnswerUsage, ChoiceFinished
+from fastrun_cpp.entrypoints.answer import Answer, AnswerDelta, AnswerEvents, AnswerUsage, ChoiceFinished, collect
 from fastrun_cpp.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     ImageBlock,
@@ -33,7 +33,7 @@ from fastrun_cpp.entrypoints.anthropic.protocol import (
 )
 from fastrun_cpp.entrypoints.anthropic.errors import anthropic_error_body
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
-from fastrun_cpp.entrypoints.openai.protocol import ChatCompletion, ChatCompletionRequest
+from fastrun_cpp.entrypoints.openai.protocol import ChatCompletionRequest
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.serving_engine import record_stream_error
@@ -236,27 +236,27 @@ class AnthropicServingMessages:
     async def create(self, request: MessagesRequest) -> MessageResponse | AsyncIterator[ServerSentEvent]:
         # Translating and validating a long conversation is work: off the event loop.
         chat = await self.chat.in_prompt_pool(functools.partial(chat_request, request, stream=request.stream))
-        result = await self.chat.answer(chat)
-        if isinstance(result, ChatCompletion):
-            return self._message(request, result)
+        answer = await self.chat.answer(chat)
+        if not request.stream:
+            return self._message(request, await collect(answer))
         record = current_record()  # the prompt is counted once queued
-        return self._stream(request, result, record.prompt_tokens if record is not None else 0)
+        return self._stream(request, answer, record.prompt_tokens if record is not None else 0)
 
     @staticmethod
-    def _message(request: MessagesRequest, result: ChatCompletion) -> MessageResponse:
-        choice = result.choices[0]
-        message = choice.message
+    def _message(request: MessagesRequest, answer: Answer) -> MessageResponse:
+        """The answer whole, as the message a stream of it adds up to."""
+        choice = answer.choices[0]
         content: list[ResponseContent] = []
-        if message.reasoning:
-            content.append(ThinkingContent(thinking=message.reasoning))
-        if message.content:
-            content.append(TextContent(text=message.content))
-        for call in message.tool_calls or []:
-            content.append(ToolUseContent(id=call.id, name=call.function.name, input=tool_input(call.function.arguments)))
+        if choice.reasoning:
+            content.append(ThinkingContent(thinking=choice.reasoning))
+        if choice.text:
+            content.append(TextContent(text=choice.text))
+        for call in choice.tool_calls:
+            content.append(ToolUseContent(id=call.call_id, name=call.name, input=tool_input(call.arguments)))
         return MessageResponse(
             id=message_id(), model=request.model, content=content,
             stop_reason=stop_reason(choice.finish_reason, choice.stop_sequence),
-            stop_sequence=choice.stop_sequence, usage=usage_of(result.usage),
+            stop_sequence=choice.stop_sequence, usage=usage_of(answer.usage),
         )
 
     async def _stream(self, request: MessagesRequest, answer: AnswerEvents,

@@ -16,6 +16,7 @@ from fastrun_cpp.chat.escape import ControlTextEscaper
 from fastrun_cpp.engine import FinishReason, GenerationOutput, GenerationRequest
 from fastrun_cpp.engine.reasoning_budget import ReasoningBudget
 from fastrun_cpp.entrypoints.answer import (
+    Answer,
     AnswerDelta,
     AnswerEvent,
     AnswerEvents,
@@ -23,10 +24,12 @@ from fastrun_cpp.entrypoints.answer import (
     AnswerUsage,
     ChoiceFinished,
     ToolCallPart,
+    collect,
 )
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.logprobs import chat_logprobs
 from fastrun_cpp.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -43,7 +46,6 @@ from fastrun_cpp.entrypoints.openai.protocol import (
     unix_time,
 )
 from fastrun_cpp.entrypoints.openai.serving_engine import (
-    ChoiceCollector,
     ImagePrompt,
     OpenAIServing,
     PromptImages,
@@ -175,6 +177,26 @@ REASONING_NAMES = {"reasoning": ("reasoning",), "reasoning_content": ("reasoning
 
 # reasoning_effort's reasoning budgets (tokens; -1 unlimited), where no budget is named.
 EFFORT_BUDGETS = {"none": 0, "low": 1024, "medium": 8192, "high": -1}
+UNLIMITED_REASONING = 2**62  # a budget never reached: the engine counts the reasoning and forces nothing
+
+
+def chat_completion(answer: Answer, model: str, *, logprobs: bool) -> ChatCompletion:
+    """A chat answer whole, as chat's non-streamed object: its choices as their deltas added up."""
+    choices = []
+    for choice in answer.choices:
+        tool_calls = [ToolCall(id=call.call_id, type="function", function=FunctionCall(name=call.name,
+                                                                                         arguments=call.arguments))
+                      for call in choice.tool_calls]
+        choices.append(ChatCompletionChoice(
+            index=choice.index,
+            message=ChatResponseMessage(content=choice.text if choice.text or not tool_calls else None,
+                                        reasoning=choice.reasoning or None, tool_calls=tool_calls or None),
+            finish_reason=choice.finish_reason,
+            logprobs=ChatChoiceLogprobs(content=choice.logprobs or []) if logprobs else None,
+            stop_sequence=choice.stop_sequence,
+        ))
+    return ChatCompletion(id=answer.answer_id, created=answer.created, model=model, choices=choices,
+                          usage=answer.usage)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -186,11 +208,12 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_budget_message = reasoning_budget_message
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> JSONPieces | AsyncIterator[str]:
-        result = await self.answer(request)
-        if isinstance(result, ChatCompletion):
-            return answer_pieces(result, "choices", self.dump_context)
+        events = await self.answer(request)
+        if not request.stream:
+            completion = chat_completion(await collect(events), request.model, logprobs=bool(request.logprobs))
+            return answer_pieces(completion, "choices", self.dump_context)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return self._server_sent_events(self._chunks(result, request.model, include_usage))
+        return self._server_sent_events(self._chunks(events, request.model, include_usage))
 
     async def _server_sent_events(self, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
         """Chat chunks as `data:` payloads, an error as one event in the spec's shape, then [DONE]."""
@@ -202,10 +225,10 @@ class OpenAIServingChat(OpenAIServing):
             return
         yield "[DONE]"
 
-    async def answer(self, request: ChatCompletionRequest) -> ChatCompletion | AnswerEvents:
-        """The answer to a chat request, or (streaming) its neutral events, which raise APIError
-        if the engine fails mid-way. The other generating endpoints (Responses, Messages) are
-        translations onto this."""
+    async def answer(self, request: ChatCompletionRequest) -> AnswerEvents:
+        """The answer to a chat request as neutral events (raising APIError if the engine fails
+        mid-way), streamed or `collect`ed whole (entrypoints/answer.py). The other generating
+        endpoints (Responses, Messages) are translations onto this."""
         served = await self.served_model(request.model, request.keep_alive)
         runtime = served.runtime
         tool_parser = self._tool_parser(runtime, request)
@@ -244,9 +267,7 @@ class OpenAIServingChat(OpenAIServing):
             media=media,
         )
         stream = await self.submit(served, generation, streaming=request.stream)
-        if request.stream:
-            return self._events(served, generation, stream, plan)
-        return await self._complete(served, request, generation, stream, plan)
+        return self._events(served, generation, stream, plan)
 
     async def count_prompt_tokens(self, request: ChatCompletionRequest) -> int:
         """The length of the prompt `request` renders to, tools and reasoning switches included."""
@@ -290,22 +311,25 @@ class OpenAIServingChat(OpenAIServing):
     def _reasoning_budget(self, served: ServedModel, request: ChatCompletionRequest,
                           plan: _Plan) -> ReasoningBudget | None:
         """The engine's hard cap on this answer's reasoning: the request's budget, else the
-        server's (--reasoning-budget), lowered to its effort's (EFFORT_BUDGETS); None when
-        unlimited or the model does not reason here."""
+        server's (--reasoning-budget), lowered to its effort's (EFFORT_BUDGETS). Unlimited, the
+        engine only counts the reasoning's tokens (usage's reasoning_tokens); None when the model
+        does not reason here."""
         parser = plan.reasoning_parser
+        if parser is None:
+            return None
         budget = self._named_budget(request)
         if budget is None:
             budgets = [self.reasoning_budget, EFFORT_BUDGETS[request.reasoning_effort or "high"]]
             budget = min((b for b in budgets if b >= 0), default=-1)
-        if parser is None or budget < 0:
-            return None
-        tokenizer = served.runtime.tokenizer
-        message = self.reasoning_budget_message
-        closing = (tokenizer.tokenize_plain(message) if message else []) + tokenizer.tokenize(
-            parser.budget_closing, add_special=False, parse_special=True)
+        closing: list[int] = []  # none: never forced
+        if budget >= 0:
+            tokenizer = served.runtime.tokenizer
+            message = self.reasoning_budget_message
+            closing = (tokenizer.tokenize_plain(message) if message else []) + tokenizer.tokenize(
+                parser.budget_closing, add_special=False, parse_special=True)
         return ReasoningBudget(
-            tokens=budget, closing=tuple(closing), end=parser.budget_end.encode(),
-            start=None if plan.starts_in_reasoning else parser.budget_start.encode())
+            tokens=budget if budget >= 0 else UNLIMITED_REASONING, closing=tuple(closing),
+            end=parser.budget_end.encode(), start=None if plan.starts_in_reasoning else parser.budget_start.encode())
 
     def _thinking_on(self, request: ChatCompletionRequest) -> bool:
         return bool(self._thinking_kwargs(request).get("enable_thinking"))
@@ -487,50 +511,6 @@ class OpenAIServingChat(OpenAIServing):
                 return earlier + taken
         return output.completion_tokens
 
-    async def _complete(self, served: ServedModel, request: ChatCompletionRequest, generation: GenerationRequest,
-                        stream: EngineStream, plan: _Plan) -> ChatCompletion:
-        parsers = [plan.parser() for _ in range(generation.n)]
-        stopped: set[int] = set()
-        collector = ChoiceCollector()
-        token_bytes = self._answer_token_bytes(served, generation)
-        async for output in self.outputs(served, stream):
-            index = output.index
-            if index in stopped:  # decoded before the stop reached the engine: not part of the answer
-                continue
-            collector.add(output)
-            parsers[index].feed(output.text, final=output.finished)
-            if not output.finished and parsers[index].stop_requested:  # a repeated call, or the last allowed
-                stopped.add(index)
-                before = collector.text(index)[:-len(output.text) or None]
-                collector.cut(index, self._completion_at_stop(plan, before, output, token_bytes))
-                stream.stop_choice(index)
-                logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
-                            generation.request_id, index)
-        choices = []
-        token_bytes = served.runtime.tokenizer.token_bytes
-        results = collector.results()
-        for result in results:
-            answer = parsers[result.index].result()
-            await self.in_prompt_pool(self._check_after, plan, answer.content, answer.tool_calls)
-            tool_calls = [
-                ToolCall(id=call_id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
-                for call_id, call in answer.tool_calls
-            ]
-            logprobs = None
-            if generation.logprobs is not None:
-                logprobs = chat_logprobs(token_bytes, result.logprobs or [])
-            content = answer.content if answer.content or not tool_calls else None
-            choices.append(ChatCompletionChoice(
-                index=result.index,
-                message=ChatResponseMessage(content=content, reasoning=answer.reasoning, tool_calls=tool_calls or None),
-                finish_reason=self._finish_reason(result.finish_reason, bool(tool_calls),
-                                                  parsers[result.index].ended_with_calls),
-                logprobs=logprobs,
-                stop_sequence=result.stop_sequence,
-            ))
-        return ChatCompletion(id=generation.request_id, created=unix_time(), model=request.model, choices=choices,
-                              usage=usage_of(results, reasoning_counted=generation.reasoning_budget is not None))
-
     async def _events(self, served: ServedModel, generation: GenerationRequest, stream: EngineStream,
                       plan: _Plan) -> AnswerEvents:
         """The answer as neutral events (entrypoints/answer.py), each choice parsed as it comes;
@@ -542,22 +522,22 @@ class OpenAIServingChat(OpenAIServing):
         texts: dict[int, list[str]] = {}  # by choice: the text so far (to place a stop, see below)
         answer_bytes = self._answer_token_bytes(served, generation)
 
-        def delta_of(index: int, text: str, *, final: bool = False, logprobs=None) -> AnswerDelta | None:
+        def delta_of(index: int, text: str, *, final: bool = False) -> AnswerDelta | None:
             parsed = parsers[index].feed(text, final=final)
-            if not parsed and logprobs is None:
+            if not parsed:
                 return None
             calls = tuple(ToolCallPart(call_index=c.index, call_id=c.id, name=c.name, arguments=c.arguments)
-                          for c in (parsed.tool_calls if parsed else ()))
-            return AnswerDelta(index=index, reasoning=parsed.reasoning if parsed else "",
-                               text=parsed.content if parsed else "", tool_calls=calls, logprobs=logprobs)
+                          for c in parsed.tool_calls)
+            return AnswerDelta(index=index, reasoning=parsed.reasoning, text=parsed.content, tool_calls=calls)
 
-        def finish(index: int, output: GenerationOutput) -> list[AnswerEvent]:
+        async def finish(index: int, output: GenerationOutput) -> list[AnswerEvent]:
             parser = parsers[index]
             events: list[AnswerEvent] = []
             if index not in stopped and (tail := delta_of(index, "", final=True)) is not None:
                 events.append(tail)
             answer = parser.result()
-            self._check_after(plan, answer.content, answer.tool_calls)
+            if plan.lenient_schemas or plan.lenient_response_schema is not None:  # a schema check: off the loop
+                await self.in_prompt_pool(self._check_after, plan, answer.content, answer.tool_calls)
             reason = self._finish_reason(output.finish_reason, bool(answer.tool_calls), parser.ended_with_calls)
             events.append(ChoiceFinished(index=index, finish_reason=reason, stop_sequence=output.stop_sequence))
             return events
@@ -570,21 +550,27 @@ class OpenAIServingChat(OpenAIServing):
             if output.finished:
                 finals[index] = output
             texts.setdefault(index, []).append(output.text)
-            logprobs = chat_logprobs(token_bytes, output.logprobs) if output.logprobs else None
-            if (delta := delta_of(index, output.text, logprobs=logprobs)) is not None:
+            delta = delta_of(index, output.text)
+            stopping = parsers[index].stop_requested and not output.finished
+            kept = len(output.token_ids)  # of this output's tokens, those in the answer
+            if stopping:
+                # Its usage and logprobs: the tokens up to the one that ended it.
+                completion = self._completion_at_stop(plan, "".join(texts[index][:-1]), output, answer_bytes)
+                kept -= output.completion_tokens - completion
+                finals[index] = dataclasses.replace(output, completion_tokens=completion)
+            if output.logprobs:
+                logprobs = chat_logprobs(token_bytes, output.logprobs[:kept])
+                delta = dataclasses.replace(delta, logprobs=logprobs) if delta is not None else \
+                    AnswerDelta(index=index, logprobs=logprobs)
+            if delta is not None:
                 yield delta
-            if parsers[index].stop_requested and not output.finished:
+            if stopping:
                 stopped.add(index)
-                # Its usage: the tokens up to the one that ended it.
-                finals[index] = dataclasses.replace(output, completion_tokens=self._completion_at_stop(
-                    plan, "".join(texts[index][:-1]), output, answer_bytes))
                 stream.stop_choice(index)
                 logger.info("%s: choice %d ends with its tool calls (a repeated call, or the last one allowed)",
                             generation.request_id, index)
-                for event in finish(index, output):
-                    yield event
-            elif output.finished:
-                for event in finish(index, output):
+            if stopping or output.finished:
+                for event in await finish(index, output):
                     yield event
         yield AnswerUsage(usage=usage_of([finals[i] for i in sorted(finals)],
                                          reasoning_counted=generation.reasoning_budget is not None))
