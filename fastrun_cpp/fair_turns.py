@@ -1,7 +1,8 @@
 """Turns at bounded work, shared fairly by account: grammar compiles, schema conversions and
 image encodes run a few at a time, and when they queue, the place that frees goes to the
-waiting account that has used the least time in its turns. So a tenant's work counts in its
-share by what it costs, not by how many jobs it sends: one tenant's hundred near-limit compiles
+waiting account that has used the least time in its turns, divided by its weight (`keys weight`,
+as on the slots). So a tenant's work counts in its share by what it costs, not by how many jobs
+it sends: one tenant's hundred near-limit compiles
 delay another's quick ones by at most the one each place is running, and the quick ones then go
 ahead of the rest. An account that starts waiting starts level with the least-served account
 present (neither owed for the time it was away nor charged for others' history); between equal
@@ -15,7 +16,16 @@ import itertools
 import time
 from collections import deque
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
+
+
+@dataclass(frozen=True)
+class Share:
+    """Whose turn a job takes: its account ("": open mode) and that account's weight."""
+
+    account: str = ""
+    weight: float = 1.0
 
 
 class FairTurns:
@@ -25,8 +35,9 @@ class FairTurns:
         self._free = places
         self._clock = clock
         self._lines: dict[str, deque[asyncio.Future]] = {}  # the jobs waiting, by account
-        # Of the accounts with a job waiting or running: seconds used in turns, turns held, and
-        # when each last got a place (turns go round between accounts that used as much).
+        # Of the accounts with a job waiting or running: seconds used in turns (divided by the
+        # account's weight), turns held, and when each last got a place (turns go round between
+        # accounts that used as much).
         self._used: dict[str, float] = {}
         self._held: dict[str, int] = {}
         self._last_place: dict[str, int] = {}
@@ -37,7 +48,8 @@ class FairTurns:
         return sum(map(len, self._lines.values()))
 
     @asynccontextmanager
-    async def turn(self, account: str) -> AsyncIterator[None]:
+    async def turn(self, share: Share) -> AsyncIterator[None]:
+        account = share.account
         if account not in self._used:
             self._used[account] = min(self._used.values(), default=0.0)
             self._held[account] = 0
@@ -62,7 +74,7 @@ class FairTurns:
             try:
                 yield
             finally:
-                self._used[account] += self._clock() - started
+                self._used[account] += (self._clock() - started) / share.weight
                 self._held[account] -= 1
                 self._hand_on()
         finally:

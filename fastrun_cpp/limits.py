@@ -39,6 +39,13 @@ class Limits(BaseModel):
     image_pixels: int = Field(64 * 2**20, ge=4096, le=89_478_485, description="Pixels of one image (width x "
                               "height, from its header): what decoding it may cost in memory, 3 bytes a pixel (at "
                               "most Pillow's own decompression-bomb bound).")
+    # Image URLs, fetched only from the hosts --allowed-media-domains names.
+    image_url_timeout_s: float = Field(10, gt=0, le=600, description="Time to fetch all of one request's image URLs "
+                                       "together (s; llama-server's bound for one).")
+    image_url_bytes: int = Field(64 * 2**20, ge=1024, description="Bytes fetched for one request's image URLs "
+                                 "together (a request body's own bound).")
+    image_url_redirects: int = Field(3, ge=0, le=20, description="Redirects one image URL may take, each to a host "
+                                     "that is allowed too.")
     # JSON schemas (response_format, tool parameters) and their patterns.
     schema_depth: int = Field(32, ge=1, description="Nesting depth of a JSON schema.")
     schema_nodes: int = Field(4096, ge=1, description="Subschemas, properties and enum values in a JSON schema.")

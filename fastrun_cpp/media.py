@@ -16,7 +16,9 @@ import hashlib
 import io
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from PIL import Image, UnidentifiedImageError
 
@@ -47,16 +49,16 @@ class DecodedImage:
 
 def image_bytes(url: str, *, media_type: str | None = None) -> tuple[bytes, str | None]:
     """The bytes of an image given as a data URI or as raw base64 (as llama-server takes it),
-    and the media type it claims. Other URLs are refused: this server fetches nothing."""
+    and the media type it claims. An http(s) URL is fetched before (media_fetch.py), or refused here."""
     url = url.strip()
     match = _DATA_URI.match(url)
     if match:
         if not match.group("b64"):
             raise MediaError("an image data URI must be base64 (data:image/png;base64,...)")
         media_type, payload = match.group("type"), url[match.end():]
-    elif url.startswith(("http://", "https://")):
-        raise MediaError("image URLs are not fetched by this server; send the image as a data URI "
-                         "(data:image/png;base64,...) or base64")
+    elif url.startswith(("http://", "https://")):  # fetched before, from the allowed hosts (media_fetch.py)
+        raise MediaError("image URLs are fetched only from the hosts an operator allows (--allowed-media-domains); "
+                         "send the image as a data URI (data:image/png;base64,...) or base64")
     else:
         payload = url
     try:
@@ -65,9 +67,31 @@ def image_bytes(url: str, *, media_type: str | None = None) -> tuple[bytes, str 
         raise MediaError(f"the image is not valid base64 ({exc})") from exc
 
 
+def check_image(data: bytes, media_type: str | None, limits: Limits) -> str:
+    """Check one image without decoding its pixels (an uploaded image file): its format (PNG,
+    JPEG...)."""
+    with _opened(data, media_type, limits) as image:
+        return str(image.format)
+
+
 def decode_image(data: bytes, media_type: str | None, limits: Limits) -> DecodedImage:
     """Check and decode one image. Its size in bytes, its format against the media type it
     claims, its frame count and its pixel count are checked before any pixel is decoded."""
+    with _opened(data, media_type, limits) as image:
+        width, height = image.size
+        try:
+            image.load()
+            rgb = image.convert("RGB").tobytes()
+        except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt
+            raise MediaError(f"the image could not be decoded ({exc})") from exc
+    digest = hashlib.sha256(width.to_bytes(4, "little") + height.to_bytes(4, "little") + rgb).digest()
+    return DecodedImage(width, height, rgb, digest)
+
+
+@contextmanager
+def _opened(data: bytes, media_type: str | None, limits: Limits) -> Iterator[Image.Image]:
+    """The image opened (its header read, no pixel decoded) once its size in bytes, its format
+    against the media type it claims, its pixel count and its frame count pass."""
     if len(data) > limits.image_bytes:
         raise MediaError(f"an image of {len(data)} bytes is over the limit of {limits.image_bytes} "
                          "(--limit-image-bytes)")
@@ -95,10 +119,4 @@ def decode_image(data: bytes, media_type: str | None, limits: Limits) -> Decoded
             raise MediaError("the image has no pixels")
         if getattr(image, "n_frames", 1) > 1:
             raise MediaError(f"the image has {image.n_frames} frames; send one frame (animated images are not read)")
-        try:
-            image.load()
-            rgb = image.convert("RGB").tobytes()
-        except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt
-            raise MediaError(f"the image could not be decoded ({exc})") from exc
-    digest = hashlib.sha256(width.to_bytes(4, "little") + height.to_bytes(4, "little") + rgb).digest()
-    return DecodedImage(width, height, rgb, digest)
+        yield image

@@ -212,6 +212,10 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(
         default_factory=list, description="Origins allowed to call the API from browsers (CORS)."
     )
+    allowed_media_domains: list[str] = Field(
+        default_factory=list, description="Hosts image URLs (http, https) may be fetched from: example.com, or "
+        "*.example.com for its subdomains; a name must resolve to public addresses only (name an address itself to "
+        "allow a private one). Unset: none, and an image is sent as a data URI or base64.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt and answer text (off by default).")
     reasoning_format: Literal["reasoning", "reasoning_content", "both"] = Field(

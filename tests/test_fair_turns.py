@@ -1,28 +1,30 @@
 """Grammar compiles, schema conversions and image encodes take turns by account
 (fastrun_cpp/fair_turns.py): one tenant's queue of compiles delays another's by at most one of
 each, a tenant's turns count by the time they take, and a compile whose client left while it
-waited never runs."""
+waited never runs; an account's weight scales its share of the time."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Callable
 
-from fastrun_cpp.fair_turns import FairTurns
+from fastrun_cpp.fair_turns import FairTurns, Share
 
 
-async def _job(turns: FairTurns, account: str, name: str, ran: list[str], release: asyncio.Event) -> None:
-    async with turns.turn(account):
+async def _job(turns: FairTurns, account: str, name: str, ran: list[str], release: asyncio.Event,
+               weight: float = 1.0) -> None:
+    async with turns.turn(Share(account, weight)):
         ran.append(name)
         await release.wait()
 
 
-async def _run_in_order(turns: FairTurns, jobs: list[tuple[str, str]]):
+async def _run_in_order(turns: FairTurns, jobs: list[tuple[str, str]], weights: dict[str, float] | None = None):
     ran: list[str] = []
     releases = {name: asyncio.Event() for _, name in jobs}
     tasks = []
     for account, name in jobs:
-        tasks.append(asyncio.create_task(_job(turns, account, name, ran, releases[name])))
+        weight = (weights or {}).get(account, 1.0)
+        tasks.append(asyncio.create_task(_job(turns, account, name, ran, releases[name], weight)))
         await asyncio.sleep(0)  # each queues in the order given
     return ran, tasks, releases
 
@@ -55,7 +57,7 @@ def test_a_compile_whose_caller_left_while_waiting_never_runs_and_gives_its_plac
         releases["next"].set()
         await asyncio.gather(tasks[0], tasks[2])
         waiting = turns.waiting
-        async with turns.turn("d"):  # the place came back
+        async with turns.turn(Share("d")):  # the place came back
             ran.append("after")
         return ran, waiting
 
@@ -115,3 +117,24 @@ def test_an_account_that_comes_later_starts_level_with_those_present():
         return ran
 
     assert asyncio.run(scenario()) == ["o0", "o1", "o2", "o3", "n0", "o4", "n1", "o5", "n2"]
+
+
+def test_an_accounts_weight_scales_its_share_of_the_time():
+    """With `keys weight` 3 against 1 and compiles of equal cost, the heavier account gets three
+    turns for each of the other's while both wait (by time used over weight); at weight 1 each,
+    the same queue alternates."""
+    async def scenario(weights: dict[str, float]) -> list[str]:
+        clock = [0.0]
+        turns = FairTurns(1, clock=lambda: clock[0])
+        jobs = [("big", f"b{i}") for i in range(8)] + [("small", f"s{i}") for i in range(8)]
+        ran, tasks, releases = await _run_in_order(turns, jobs, weights)
+        await _finish_in_turn(ran, releases, len(jobs), lambda name: 1.0, clock)
+        await asyncio.gather(*tasks)
+        return ran
+
+    weighted = asyncio.run(scenario({"big": 3.0, "small": 1.0}))
+    first_twelve = weighted[:12]
+    assert sum(name[0] == "b" for name in first_twelve) >= 8, weighted  # about 3 of every 4
+    assert sum(name[0] == "s" for name in first_twelve) >= 3, weighted  # and the lighter one is not starved
+    even = asyncio.run(scenario({}))
+    assert even[:6] == ["b0", "s0", "b1", "s1", "b2", "s2"], even

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import http.server
 import io
 import json
 import struct
+import threading
+import time
 import zlib
 
 import anthropic
@@ -52,8 +55,15 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("vision-prompt-cache")
 
 
+URL_TIMEOUT_S = 3
+
+
 def vision_server(gemma_path, projector, cache_dir, log_dir):
+    """Image URLs are fetched from 127.0.0.1 (named as an address, so allowed though it is
+    loopback) and from `localhost` (named as a host: refused, since it resolves to loopback)."""
     return run_server("--model", str(gemma_path), "--mmproj", str(projector), "--slots", "2", "--ctx-size", "1024",
+                      "--allowed-media-domains", "127.0.0.1", "localhost",
+                      "--limit-image-url-timeout-s", str(URL_TIMEOUT_S),
                       log_dir=log_dir, env={"FASTRUN_PROMPT_CACHE_DIR": str(cache_dir)}, startup_timeout=120)
 
 
@@ -169,7 +179,8 @@ HOSTILE = [
     ([data_uri(png_claiming(100_000, 100_000))], "--limit-image-pixels"),
     ([data_uri(png_claiming(9_000, 8_000))], "--limit-image-pixels"),
     ([data_uri(animated_gif(), "image/gif")], "frames"),
-    (["https://example.com/cat.png"], "not fetched"),
+    (["https://example.com/cat.png"], "'example.com' is not one this server fetches images from"),
+    (["ftp://127.0.0.1/cat.png"], "base64"),  # not a URL this server fetches: read as base64, and not that
     ([data_uri(encoded(picture(0, 4, 4)))] * 101, "--limit-images"),
 ]
 
@@ -261,6 +272,176 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
         _, without = codex.turn("What is in this image? One word.")
         assert (with_image.generations()[0]["prompt_tokens"] - without.generations()[0]["prompt_tokens"]
                 >= IMAGE_TOKENS), (with_image.requests, without.requests)
+
+
+class _ImageHost(http.server.BaseHTTPRequestHandler):
+    """An image server as an image URL's host may be: the image, redirects, and the hostile
+    shapes (a redirect to a private host, a redirect loop, a body that never ends, one too
+    large, a page that is not an image)."""
+
+    routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+    hits: list[str] = []
+
+    def do_GET(self) -> None:
+        self.hits.append(self.path)
+        if self.path == "/trickle":  # headers, then a byte now and then, for ever
+            self.send_response(200)
+            self.send_header("content-type", "image/png")
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b"\x89")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:
+                return
+        if self.path == "/endless":  # no length, more bytes than an image may have
+            self.send_response(200)
+            self.send_header("content-type", "image/png")
+            self.end_headers()
+            try:
+                for _ in range(64):
+                    self.wfile.write(b"\0" * (1 << 20))
+            except OSError:
+                pass
+            return
+        status, headers, body = self.routes.get(self.path, (404, {}, b"not here"))
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHost)
+    host.daemon_threads = True
+    port = host.server_address[1]
+    png = encoded(picture(77))
+    _ImageHost.routes = {
+        "/cat.png": (200, {"content-type": "image/png"}, png),
+        "/cat": (200, {"content-type": "application/octet-stream"}, png),
+        "/moved": (302, {"location": "/cat.png"}, b""),
+        "/to-localhost": (302, {"location": f"http://localhost:{port}/cat.png"}, b""),
+        "/loop": (302, {"location": "/loop"}, b""),
+        "/page": (200, {"content-type": "text/html"}, b"<html>no image here</html>"),
+        "/jpeg-said-png": (200, {"content-type": "image/png"}, encoded(picture(3), "JPEG")),
+        "/huge": (200, {"content-type": "image/png"}, png_claiming(100_000, 100_000)),
+    }
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    host.shutdown()
+
+
+def test_an_image_url_of_an_allowed_host_answers_as_the_same_image_sent_inline(server, image_host):
+    """The same picture by URL (chat, Responses, and an Anthropic url source), through a
+    redirect, and with a generic content type, is the same image: the same tokens, the same
+    answer at T=0, and a prefix hit (the cache keys images by their pixels)."""
+    inline = ask(server, PNG_77, text="By URL?")
+    by_url = ask(server, f"{image_host}/cat.png", text="By URL?")
+    assert answer_of(by_url) == answer_of(inline)
+    usage = by_url.json()["usage"]
+    assert usage["prompt_tokens"] == inline.json()["usage"]["prompt_tokens"] > IMAGE_TOKENS
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    for url in (f"{image_host}/moved", f"{image_host}/cat"):
+        assert answer_of(ask(server, url, text="By URL?")) == answer_of(inline)
+
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    request = dict(model=MODEL, max_output_tokens=8, temperature=0)
+    responses = [client.responses.create(**request, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "By URL?"}, {"type": "input_image", "image_url": url}]}]) for url in (
+        PNG_77, f"{image_host}/cat.png")]
+    assert responses[0].output_text == responses[1].output_text
+    assert responses[0].usage.input_tokens == responses[1].usage.input_tokens
+
+    messages = anthropic.Anthropic(base_url=server.root_url, api_key="unused", max_retries=0).messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "By URL?"}, {"type": "image", "source": {"type": "url", "url": f"{image_host}/cat.png"}}]}])
+    # Anthropic's input_tokens leave out what was read from the cache: the image, seen by URL above.
+    assert messages.usage.input_tokens + messages.usage.cache_read_input_tokens > IMAGE_TOKENS
+    assert messages.usage.cache_read_input_tokens > IMAGE_TOKENS
+
+
+HOSTILE_URLS = [
+    ("/to-localhost", "resolves to a private or reserved address"),  # allowed by name, but loopback
+    ("/loop", "--limit-image-url-redirects"),
+    ("/trickle", "--limit-image-url-timeout-s"),
+    ("/endless", "--limit-image-bytes"),
+    ("/page", "text/html"),
+    ("/jpeg-said-png", "says it is image/png but is JPEG"),
+    ("/huge", "--limit-image-pixels"),
+    ("/missing", "answered 404"),
+]
+
+
+@pytest.mark.parametrize("path, named", HOSTILE_URLS)
+def test_hostile_image_urls_are_400s_that_say_why(server, image_host, path, named):
+    response = ask(server, image_host + path)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and named in error["message"], error
+
+
+def test_image_urls_of_hosts_not_allowed_are_never_fetched(server, image_host):
+    """A host the operator did not name is refused before anything is sent: another loopback
+    address, a name that is not on the list, and the same host under a port's other spelling."""
+    port = image_host.rsplit(":", 1)[1]
+    before = len(_ImageHost.hits)
+    for url in (f"http://127.0.0.2:{port}/cat.png", f"http://127.1:{port}/cat.png", f"http://[::1]:{port}/cat.png",
+                f"http://0x7f000001:{port}/cat.png", f"http://evil.example:{port}/cat.png"):
+        response = ask(server, url)
+        assert response.status_code == 400, (url, response.text)
+        assert "--allowed-media-domains" in response.json()["error"]["message"], (url, response.text)
+    assert len(_ImageHost.hits) == before
+
+
+def test_with_no_host_allowed_no_image_url_is_fetched():
+    """The default (no --allowed-media-domains): every image URL is refused, naming the flag."""
+    import asyncio
+
+    from fastrun_cpp.limits import Limits
+    from fastrun_cpp.media import MediaError
+    from fastrun_cpp.media_fetch import MediaFetcher
+
+    with pytest.raises(MediaError, match="--allowed-media-domains"):
+        asyncio.run(MediaFetcher([], Limits()).fetch_all(["http://127.0.0.1:9/cat.png"]))
+
+
+def test_responses_read_an_uploaded_image_by_file_id(server):
+    """An image uploaded to /v1/files (purpose vision) and named by file_id in an input_image,
+    as OpenAI's SDK sends it, is the same image as sent inline; a file that is not an image, or
+    not one, is a 4xx."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    uploaded = client.files.create(file=("cat.png", encoded(picture(77))), purpose="vision")
+    request = dict(model=MODEL, max_output_tokens=8, temperature=0)
+
+    def asked(image: dict):
+        return client.responses.create(**request, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "By file?"}, {"type": "input_image", **image}]}])
+
+    by_file, inline = asked({"file_id": uploaded.id}), asked({"image_url": PNG_77})
+    assert by_file.output_text == inline.output_text
+    assert by_file.usage.input_tokens == inline.usage.input_tokens > IMAGE_TOKENS
+    # A conversation continued later reads the image it was sent, the file deleted since.
+    client.files.delete(uploaded.id)
+    follow = client.responses.create(**request, previous_response_id=by_file.id, input="And now?")
+    assert follow.usage.input_tokens > by_file.usage.input_tokens
+
+    with pytest.raises(openai.BadRequestError, match="not a PNG, JPEG"):
+        client.files.create(file=("notes.txt", b"just text"), purpose="vision")
+    batch_file = client.files.create(file=("lines.jsonl", b'{"custom_id": "x"}\n'), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="not as an image"):
+        asked({"file_id": batch_file.id})
+    with pytest.raises(openai.NotFoundError):
+        asked({"file_id": "file-nosuchfile"})
+    with pytest.raises(openai.BadRequestError, match="image_url .* or file_id"):
+        asked({})
 
 
 def test_images_in_batch_lines_and_background_responses_answer_as_direct_ones(server):

@@ -13,6 +13,7 @@ from fastrun_cpp.engine.kv_cache import MIN_SAVED_TOKENS
 from fastrun_cpp.engine.stats import EngineStats
 from fastrun_cpp.engine.faults import Faults
 from fastrun_cpp.engine.grammar import GrammarCompiler
+from fastrun_cpp.fair_turns import Share
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.prompt_cache import CachedSequence
 from fastrun_cpp.engine.errors import EngineError, RequestRejected
@@ -153,7 +154,7 @@ class AsyncEngine:
     async def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request (raising CapacityError / PromptTooLongError / GrammarError before it
         is queued) and return the stream of its outputs."""
-        grammar = await self._grammars.compile(request.grammar, request.account) if request.grammar is not None else None
+        grammar = await self._grammars.compile(request.grammar, Share(request.account, request.weight)) if request.grammar is not None else None
         if self._disk is not None and request.kind == "generate":
             await self._load_from_disk(request.prompt_tokens, request.cache_namespace)
         collector = _OutputCollector(stepwise=request.stepwise_outputs)

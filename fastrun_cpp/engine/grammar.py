@@ -28,7 +28,7 @@ from fastrun_cpp.engine.errors import GrammarError
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.engine.constraint import Constraint, GbnfConstraint, GuidanceConstraint
 from fastrun_cpp.engine.faults import GRAMMAR_HANG_TEXT
-from fastrun_cpp.fair_turns import FairTurns
+from fastrun_cpp.fair_turns import FairTurns, Share
 from fastrun_cpp.killable import WALL_TIME_FACTOR, KillablePool, WorkerDied, WorkerTimeout, serve
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.engine.model import LlamaModel
@@ -150,14 +150,14 @@ class GrammarCompiler:
         fuel = int(LEXER_FUEL_PER_MS * self.limits.grammar_step_ms * vocabulary_scale(self._model.n_vocab))
         return llguidance.LLParserLimits(step_lexer_fuel=fuel, step_max_items=fuel // 4, verbose_errors=False)
 
-    async def compile(self, spec: GrammarSpec, account: str = "") -> CompiledGrammar:
+    async def compile(self, spec: GrammarSpec, share: Share = Share()) -> CompiledGrammar:
         """The compiled grammar of `spec`; raises GrammarError. A new one waits for its
         account's turn (one compile per account in turn while they queue); a caller cancelled
         while it waits never compiles."""
         grammar = self._cache.get(spec)
         if grammar is not None:
             return grammar
-        async with self._turns.turn(account):
+        async with self._turns.turn(share):
             grammar = self._cache.get(spec)  # compiled meanwhile for another request
             return grammar if grammar is not None else await self._compile_new(spec)
 

@@ -21,7 +21,7 @@ import llama_cpp.mtmd_cpp as mtmd
 from fastrun_cpp.engine.backend import route_logs
 from fastrun_cpp.engine.errors import ModelLoadError
 from fastrun_cpp.engine.model import LlamaModel
-from fastrun_cpp.fair_turns import FairTurns
+from fastrun_cpp.fair_turns import FairTurns, Share
 from fastrun_cpp.lru import ByteLRU
 
 logger = logging.getLogger(__name__)
@@ -69,13 +69,13 @@ class Projector:
             mtmd.mtmd_free(self._ctx)
             self._ctx = None
 
-    async def encode_in_turn(self, account: str, width: int, height: int, rgb: bytes, digest: bytes) -> EncodedImage:
-        """`encode`, on a worker thread, in `account`'s turn: encodes take turns by account
+    async def encode_in_turn(self, share: Share, width: int, height: int, rgb: bytes, digest: bytes) -> EncodedImage:
+        """`encode`, on a worker thread, in the account's turn (`share`): encodes take turns by account
         (fair_turns.py), and one whose caller left while it waited never runs. A kept image
         needs no turn."""
         if (kept := self._encoded.get(digest)) is not None:
             return kept
-        async with self._turns.turn(account):
+        async with self._turns.turn(share):
             return await asyncio.to_thread(self.encode, width, height, rgb, digest)
 
     def encode(self, width: int, height: int, rgb: bytes, digest: bytes) -> EncodedImage:

@@ -20,7 +20,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, TypeVar
 
 from fastrun_cpp.entrypoints.leases import LeaseLost
 from fastrun_cpp.entrypoints.tenancy import RETRY_S
@@ -87,6 +87,9 @@ class Job(ABC):
                 task.cancel()
 
 
+J = TypeVar("J", bound=Job)
+
+
 class JobKind(ABC):
     """Where the jobs of one kind are kept: their leases are renewed, and owed ones found, here."""
 
@@ -141,7 +144,7 @@ class JobRunner:
     def get(self, job_id: str) -> Job | None:
         return self._jobs.get(job_id)
 
-    def jobs(self, kind: type[Job]) -> list[Job]:
+    def jobs(self, kind: type[J]) -> list[J]:
         return [job for job in list(self._jobs.values()) if isinstance(job, kind)]
 
     def drop(self, job: Job) -> None:

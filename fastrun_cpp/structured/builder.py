@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fastrun_cpp.fair_turns import FairTurns
+from fastrun_cpp.fair_turns import FairTurns, Share
 from fastrun_cpp.killable import KillablePool, WorkerDied, WorkerTimeout, serve
 from fastrun_cpp.lru import ByteLRU
 from fastrun_cpp.limits import Limits
@@ -81,13 +81,13 @@ class GrammarBuilder:
         """Conversions stopped at their time limit."""
         return self._workers.killed
 
-    async def schema_grammar(self, schema: Any, *, strict: bool = True, account: str = "") -> str:
+    async def schema_grammar(self, schema: Any, *, strict: bool = True, share: Share = Share()) -> str:
         """GBNF for a response_format schema; raises BuildError."""
         self._check(schema, "the schema")
-        return await self._build("schema", {"schema": schema, "strict": strict}, account)
+        return await self._build("schema", {"schema": schema, "strict": strict}, share)
 
     async def tool_grammar(self, functions: list[CallableFunction], call_format: ToolCallFormat, *,
-                           relaxed: bool = False, account: str = "") -> str:
+                           relaxed: bool = False, share: Share = Share()) -> str:
         """GBNF for tool calls of these functions written in `call_format`; raises BuildError.
 
         `relaxed` (the model may choose not to call, `tool_choice: auto`): no schema fails the
@@ -107,7 +107,7 @@ class GrammarBuilder:
             checked.append(CallableFunction(name, parameters, strict and not relaxed, text_grammar)._asdict())
         payload = {"functions": checked, "format": dataclasses.asdict(call_format), "relaxed": relaxed,
                    "max_repetition": self.limits.repetition}
-        return await self._build("tools", payload, account)
+        return await self._build("tools", payload, share)
 
     def _check(self, schema: Any, where: str, *, relaxed: bool = False) -> Any:
         try:
@@ -115,7 +115,7 @@ class GrammarBuilder:
         except (SchemaBoundsError, PatternError) as exc:
             raise BuildError(str(exc)) from exc
 
-    async def _build(self, kind: str, payload: dict[str, Any], account: str) -> str:
+    async def _build(self, kind: str, payload: dict[str, Any], share: Share) -> str:
         try:
             key = kind + json.dumps(payload)  # keeps property order: part of the grammar
         except (TypeError, ValueError) as exc:
@@ -123,7 +123,7 @@ class GrammarBuilder:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        async with self._turns.turn(account):  # one conversion per account in turn; a caller gone never runs
+        async with self._turns.turn(share):  # one conversion per account in turn; a caller gone never runs
             cached = self._cache.get(key)
             if cached is not None:
                 return cached

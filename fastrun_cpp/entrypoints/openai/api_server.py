@@ -57,6 +57,7 @@ from fastrun_cpp.entrypoints.openai.responses.router import router as responses_
 from fastrun_cpp.entrypoints.openai.responses.serving import OpenAIServingResponses
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal, load_secret
 from fastrun_cpp.entrypoints.openai.responses.store import ResponseStore, StoreBudget
+from fastrun_cpp.media_fetch import MediaFetcher
 from fastrun_cpp.entrypoints.openai.body import BodyChecker
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.hub import cached_models
@@ -149,6 +150,7 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
         if settings.metrics else None
     serving_options = dict(
         limits=settings.limits,
+        media_fetcher=MediaFetcher(settings.allowed_media_domains, settings.limits),
         grammar_builder=grammar_builder,
         prompt_pool=ThreadPoolExecutor(4, thread_name_prefix="fastrun-prompt"),
         body_checker=(body_checker := BodyChecker()),
@@ -209,13 +211,15 @@ def build_app(settings: Settings, authenticator: Authenticator | None = None) ->
     job_runner = JobRunner(in_flight=settings.batch_lines_in_flight or
                            sum(config.slots * config.replicas for config in registry.models),
                            renew_every_s=leases.renew_every_s)
-    app.state.serving_responses = OpenAIServingResponses(
-        chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))), job_runner,
-        key_for=authenticator.key_by_id, gate=gate, usage=usage, background_per_account=settings.batches_per_account)
-    app.state.serving_messages = AnthropicServingMessages(chat)
     batches = batch_store(settings, leases)
     batch_thread = StoreThread("fastrun-batches")
-    app.state.serving_files = files = OpenAIServingFiles(batches.files, batch_thread, max_lines=settings.batch_max_lines)
+    app.state.serving_files = files = OpenAIServingFiles(batches.files, batch_thread, max_lines=settings.batch_max_lines,
+                                                         limits=settings.limits)
+    app.state.serving_responses = OpenAIServingResponses(
+        chat, store, ReasoningSeal(load_secret(store.path.with_name(store.path.name + ".secret"))), job_runner,
+        files, key_for=authenticator.key_by_id, gate=gate, usage=usage,
+        background_per_account=settings.batches_per_account)
+    app.state.serving_messages = AnthropicServingMessages(chat)
     app.state.batches = batch_jobs = Batches(job_runner, app, batches, batch_thread, key_for=authenticator.key_by_id)
     app.state.serving_batches = OpenAIServingBatches(files, batch_jobs, per_account=settings.batches_per_account,
                                                      parse=chat.parse)

@@ -43,8 +43,10 @@ from fastrun_cpp.entrypoints.openai.protocol import (
 from fastrun_cpp.entrypoints.openai.models.serving import OpenAIServingModels, ServedModel
 from fastrun_cpp.entrypoints.request_context import current_record
 from fastrun_cpp.entrypoints.tenancy import LimitReached
+from fastrun_cpp.fair_turns import Share
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.media import DecodedImage, MediaError, decode_image, image_bytes
+from fastrun_cpp.media_fetch import MediaFetcher, is_url
 from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.structured.builder import BuildError, GrammarBuilder
 from fastrun_cpp.structured.spec import GrammarSpec
@@ -67,10 +69,13 @@ class PromptImages:
     written as a marker this request alone can make (a user cannot type it), and its URL kept,
     in the order the markers stand (image_prompt and with_images put the images there). For a model with no
     projector, an image a user sent is a 400, and one a tool returned (an agent's screenshot)
-    a note in the text, so that the agent's turn goes on."""
+    a note in the text, so that the agent's turn goes on. `fetched`: the bytes and media type
+    of the image URLs fetched for the request (fetch_images)."""
 
-    def __init__(self, served: ServedModel, limits: Limits) -> None:
+    def __init__(self, served: ServedModel, limits: Limits,
+                 fetched: dict[str, tuple[bytes, str | None]] | None = None) -> None:
         self._served, self._limits = served, limits
+        self.fetched = fetched or {}
         self.marker = f"{_MEDIA_OPEN}{secrets.token_hex(8)}{_MEDIA_CLOSE}"
         self.urls: list[str] = []
 
@@ -122,10 +127,11 @@ def adapters_identity(served: ServedModel, adapters: tuple[tuple[str, float], ..
     return ",".join(f"{name}@{identities.get(name, '')}={scale!r}" for name, scale in adapters)
 
 
-def current_account() -> str:
-    """The account the current request is served for ("": open mode), whose turn its compiles take."""
+def current_share() -> Share:
+    """The account the current request is served for ("": open mode) and its weight: whose turn
+    its compiles and image encodes take (fair_turns.py)."""
     record = current_record()
-    return (record.account or "") if record is not None else ""
+    return Share(record.account or "", record.weight) if record is not None else Share()
 
 
 def usage_of(outputs: list[GenerationOutput], *, reasoning_counted: bool = False) -> Usage:
@@ -158,9 +164,11 @@ class OpenAIServing:
         request_timeout_s: float = 600,
         stream_timeout_s: float = 3600,
         log_prompts: bool = False,
+        media_fetcher: MediaFetcher | None = None,
     ) -> None:
         self.models = models
         self.limits = limits
+        self.media_fetcher = media_fetcher or MediaFetcher([], limits)  # fetches nothing unless hosts are allowed
         self.grammar_builder = grammar_builder
         # Request parsing, template rendering and tokenization: off the event loop, in a bounded
         # pool of their own, so requests cannot starve what guards the server (key refresh,
@@ -257,8 +265,24 @@ class OpenAIServing:
             raise bad_request(f"the prompt is {characters} characters long, far more than the context window of "
                               f"{runtime.info.max_context} tokens (prompt and answer together)")
 
-    def prompt_images(self, served: ServedModel) -> PromptImages:
-        return PromptImages(served, self.limits)
+    def prompt_images(self, served: ServedModel,
+                      fetched: dict[str, tuple[bytes, str | None]] | None = None) -> PromptImages:
+        return PromptImages(served, self.limits, fetched)
+
+    async def fetch_images(self, served: ServedModel, urls: list[str]) -> dict[str, tuple[bytes, str | None]]:
+        """The http(s) image URLs among `urls` (a request's images, in order), fetched from the
+        hosts the operator allows (media_fetch.py), for a model that reads images; a 400 if
+        one cannot be. A model without a projector fetches nothing (its images are refused, or
+        a tool's shown as a note)."""
+        wanted = list(dict.fromkeys(url for url in urls if is_url(url)))
+        if not wanted or served.runtime.projector is None:
+            return {}
+        if len(wanted) > self.limits.images:
+            raise bad_request(f"over {self.limits.images} images in one request (limit --limit-images)")
+        try:
+            return await self.media_fetcher.fetch_all(wanted)
+        except MediaError as exc:
+            raise bad_request(str(exc)) from exc
 
     def image_prompt(self, served: ServedModel, rendered: str, images: PromptImages,
                      tokenize_text: Callable[[str, bool], list[int]]) -> ImagePrompt:
@@ -271,7 +295,7 @@ class OpenAIServing:
         decoded = []
         for number, url in enumerate(images.urls, 1):
             try:
-                data, media_type = image_bytes(url)
+                data, media_type = images.fetched.get(url) or image_bytes(url)
                 decoded.append(decode_image(data, media_type, self.limits))
             except MediaError as exc:
                 raise bad_request(f"image {number}: {exc}") from exc
@@ -287,12 +311,12 @@ class OpenAIServing:
         if not isinstance(prompt, ImagePrompt):
             return prompt, ()
         projector = served.runtime.projector
-        account = current_account()
+        share = current_share()
         tokens = list(prompt.texts[0])
         spans = []
         for number, (image, after) in enumerate(zip(prompt.images, prompt.texts[1:]), 1):
             try:
-                encoded = await projector.encode_in_turn(account, image.width, image.height, image.rgb, image.digest)
+                encoded = await projector.encode_in_turn(share, image.width, image.height, image.rgb, image.digest)
             except ValueError as exc:  # the projector's refusal
                 raise bad_request(f"image {number}: {exc}") from exc
             tokens += encoded.before
@@ -362,14 +386,14 @@ class OpenAIServing:
         """`spec` once llama.cpp has parsed it for this model (cached: the engine reuses it);
         400 naming `field` when it cannot."""
         try:
-            await served.runtime.grammars.compile(spec, current_account())
+            await served.runtime.grammars.compile(spec, current_share())
         except GrammarError as exc:
             raise bad_request(f"{field}: {exc}") from exc
         return spec
 
     async def schema_grammar(self, schema: dict[str, Any], *, strict: bool, field: str) -> str:
         try:
-            return await self.grammar_builder.schema_grammar(schema, strict=strict, account=current_account())
+            return await self.grammar_builder.schema_grammar(schema, strict=strict, share=current_share())
         except BuildError as exc:
             raise bad_request(f"{field}: {exc}") from exc
 

@@ -79,7 +79,7 @@ class Batches(JobKind):
         return [{"id": r.id, "account": r.account, "status": r.batch["status"],
                  "endpoint": r.batch.get("endpoint"), "created_at": r.batch.get("created_at"),
                  "request_counts": dict(r.batch["request_counts"]), "lines_in_flight": len(r.in_flight)}
-                for r in self.runner.jobs(RunningBatch) if isinstance(r, RunningBatch)]
+                for r in self.runner.jobs(RunningBatch)]
 
     async def owed(self, held: frozenset[str]) -> list[Job]:
         return [RunningBatch(self, owed) for owed in await self.in_store(self.store.owed_batches, held)]

@@ -49,7 +49,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     ImagePrompt,
     OpenAIServing,
     PromptImages,
-    current_account,
+    current_share,
     openai_finish_reason,
     stop_sequences,
     stream_error_event,
@@ -146,6 +146,10 @@ def fold_late_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, 
     return folded
 
 
+def _image_urls(request: ChatCompletionRequest) -> list[str]:
+    return [url for message in request.messages for url in message.images()]
+
+
 def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
@@ -238,7 +242,8 @@ class OpenAIServingChat(OpenAIServing):
         # A grammar from the first token leaves no room for reasoning; with thinking on, the
         # grammar waits for the reasoning to end.
         reasoning_parser = runtime.reasoning_parser if thinking or not constrained else None
-        prompt, prepared = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        fetched = await self.fetch_images(served, _image_urls(request))
+        prompt, prepared = await self.in_prompt_pool(self._prompt, served, request, tool_parser, fetched)
         prompt_tokens, media = await self.with_images(served, prepared)
         plan = _Plan(
             tool_parser=tool_parser,
@@ -273,7 +278,8 @@ class OpenAIServingChat(OpenAIServing):
         """The length of the prompt `request` renders to, tools and reasoning switches included."""
         served = await self.served_model(request.model, request.keep_alive)
         tool_parser = self._tool_parser(served.runtime, request)
-        _, prepared = await self.in_prompt_pool(self._prompt, served, request, tool_parser)
+        fetched = await self.fetch_images(served, _image_urls(request))
+        _, prepared = await self.in_prompt_pool(self._prompt, served, request, tool_parser, fetched)
         tokens, _ = await self.with_images(served, prepared)
         return len(tokens)
 
@@ -334,16 +340,17 @@ class OpenAIServingChat(OpenAIServing):
     def _thinking_on(self, request: ChatCompletionRequest) -> bool:
         return bool(self._thinking_kwargs(request).get("enable_thinking"))
 
-    def _prompt(self, served: ServedModel, request: ChatCompletionRequest,
-                tool_parser: ToolParser | None) -> tuple[str, list[int] | ImagePrompt]:
+    def _prompt(self, served: ServedModel, request: ChatCompletionRequest, tool_parser: ToolParser | None,
+                fetched: dict[str, tuple[bytes, str | None]] | None = None) -> tuple[str, list[int] | ImagePrompt]:
         """The rendered prompt and its tokens, or with images its text's tokens and the images
-        read (in the prompt pool; `with_images` encodes them). Control-token text in the
-        messages and tools stays plain text; the template's own markup is parsed."""
+        read (in the prompt pool; `with_images` encodes them; `fetched`: the image URLs'
+        bytes). Control-token text in the messages and tools stays plain text; the template's
+        own markup is parsed."""
         runtime = served.runtime
         tokenizer = runtime.tokenizer
         escaper = ControlTextEscaper(tokenizer.control_texts)
         tools_as_text = isinstance(runtime.tool_parser, FallbackToolParser)
-        images = self.prompt_images(served)
+        images = self.prompt_images(served, fetched)
         messages = template_messages(request.messages, tools_as_text=tools_as_text, images=images)
         self.check_prompt_length(served, sum(len(message["content"] or "") for message in messages))
         template_tools = None
@@ -422,7 +429,7 @@ class OpenAIServingChat(OpenAIServing):
                     [CallableFunction(f.name, f.parameters or {"type": "object", "properties": {}}, bool(f.strict),
                                       f._text_grammar) for f in functions],
                     tool_parser.call_format(plan.max_calls or MAX_PARALLEL_CALLS), relaxed=lazy_tools,
-                    account=current_account(),
+                    share=current_share(),
                 )
             except BuildError as exc:
                 raise bad_request(f"tools: {exc}") from exc

@@ -1,4 +1,5 @@
-"""The Files API over the batch store: uploads bounded in size and lines, per account."""
+"""The Files API over the batch store: batch files (bounded in size and lines) and images (read
+by a Responses `input_image`'s `file_id`), per account."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from fastrun_cpp.entrypoints.openai.files.store import FileBudgetExceeded, FileS
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.utils import StoreThread
 from fastrun_cpp.entrypoints.request_context import current_record
+from fastrun_cpp.limits import Limits
+from fastrun_cpp.media import MediaError, check_image
 
-UPLOAD_PURPOSES = ("batch",)
+BATCH_PURPOSE = "batch"
+IMAGE_PURPOSES = ("vision", "user_data")  # OpenAI's purposes for images a request names by file_id
+UPLOAD_PURPOSES = (BATCH_PURPOSE, *IMAGE_PURPOSES)
 MAX_FILENAME = 256
 
 
@@ -28,10 +33,11 @@ def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 class OpenAIServingFiles:
-    def __init__(self, store: FileStore, store_thread: StoreThread, *, max_lines: int) -> None:
+    def __init__(self, store: FileStore, store_thread: StoreThread, *, max_lines: int, limits: Limits) -> None:
         self.store = store
         self.in_store = store_thread.run
         self.max_lines = max_lines
+        self.limits = limits
 
     async def upload(self, raw: Request) -> dict[str, Any]:
         origin = raw.headers.get("origin")
@@ -51,12 +57,13 @@ class OpenAIServingFiles:
             raise bad_request(f"the form could not be read: {exc}") from None
         purpose, upload = form.get("purpose"), form.get("file")
         if not isinstance(purpose, str) or purpose not in UPLOAD_PURPOSES:
-            raise bad_request(f"purpose: {purpose!r} is not served here; files are for batches (purpose 'batch')")
+            raise bad_request(f"purpose: {purpose!r} is not served here; files are for batches (purpose 'batch') "
+                              "and images (purpose 'vision' or 'user_data')")
         if not isinstance(upload, UploadFile):
             raise bad_request("file: missing; send the JSONL as the form's `file` part")
         content = await upload.read()
-        await asyncio.to_thread(self._check_batch_file, content)
-        filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME]
+        await asyncio.to_thread(self._check_batch_file if purpose == BATCH_PURPOSE else self._check_image_file, content)
+        filename = (upload.filename or ("upload.jsonl" if purpose == BATCH_PURPOSE else "image"))[:MAX_FILENAME]
         try:
             stored = await self.in_store(self.store.put, account(), purpose, filename, content)
         except FileBudgetExceeded as exc:
@@ -64,6 +71,14 @@ class OpenAIServingFiles:
         finally:
             await upload.close()
         return stored.as_api()
+
+    def _check_image_file(self, content: bytes) -> None:
+        """An image file is one image this server reads, within the image limits (its pixels
+        are decoded when a request uses it)."""
+        try:
+            check_image(content, None, self.limits)
+        except MediaError as exc:
+            raise bad_request(f"file: {exc}") from None
 
     def _check_batch_file(self, content: bytes) -> None:
         """A batch file is UTF-8 JSONL of at most max_lines requests, checked a line at a time and
@@ -92,6 +107,21 @@ class OpenAIServingFiles:
 
     async def retrieve(self, file_id: str) -> dict[str, Any]:
         return (await self.stored(file_id)).as_api()
+
+    async def image_file(self, file_id: str) -> bytes:
+        """An uploaded image whole (at most --limit-image-bytes): what an input_image's file_id
+        names. 404 for another account's file, 400 for a file that is not an image."""
+        stored = await self.stored(file_id)
+        if stored.purpose not in IMAGE_PURPOSES:
+            raise bad_request(f"file_id: {file_id!r} was uploaded for {stored.purpose!r}, not as an image "
+                              "(purpose 'vision' or 'user_data')")
+        if stored.bytes > self.limits.image_bytes:  # the limit may have been lowered since
+            raise bad_request(f"file_id: an image of {stored.bytes} bytes is over the limit of "
+                              f"{self.limits.image_bytes} (--limit-image-bytes)")
+        content = await self.in_store(self.store.content, account(), file_id)
+        if content is None:
+            raise APIError(404, f"no file with id {file_id!r}")
+        return content
 
     async def batch_file(self, file_id: str) -> bytes:
         """An uploaded batch file whole (at most the body limit): what a batch is parsed from."""

@@ -64,7 +64,7 @@ class BackgroundResponses(JobKind):
         """Every background response queued or running, every account's: what the operator view lists."""
         return [{"id": r.id, "account": r.account, "status": r.status, "model": r.job.request.get("model"),
                  "events": len(r.events)}
-                for r in self.runner.jobs(RunningResponse) if isinstance(r, RunningResponse) and not r.done]
+                for r in self.runner.jobs(RunningResponse) if not r.done]
 
     async def owed(self, held: frozenset[str]) -> list[Job]:
         return [RunningResponse(self, job)

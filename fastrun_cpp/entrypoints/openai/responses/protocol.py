@@ -38,14 +38,14 @@ class InputTextPart(RequestModel):
 
 class InputImagePart(RequestModel):
     type: Literal["input_image"]
-    image_url: str | None = None  # a data URI (or base64)
-    file_id: str | None = None
+    image_url: str | None = None  # a data URI, base64, or an http(s) URL of an allowed host
+    file_id: str | None = None  # an uploaded image (purpose vision or user_data): read into image_url
     detail: Literal["auto", "low", "high", "original"] | None = None  # accepted; the projector sets the size
 
     @model_validator(mode="after")
     def _has_image(self) -> InputImagePart:
-        if self.image_url is None:
-            raise ValueError("an input_image part needs image_url (a data URI); file_id images are not read yet")
+        if self.image_url is None and self.file_id is None:
+            raise ValueError("an input_image part needs image_url (a data URI) or file_id (an uploaded image)")
         return self
 
 

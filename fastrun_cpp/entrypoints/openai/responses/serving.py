@@ -6,6 +6,7 @@ typed events (events.py), or collected whole into the Response such a stream end
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -24,6 +25,7 @@ from fastrun_cpp.entrypoints.answer import (
 from fastrun_cpp.entrypoints.jobs import JobRunner
 from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles
 from fastrun_cpp.entrypoints.openai.protocol import ChatCompletionRequest, unix_time
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.responses.background import (
@@ -33,7 +35,9 @@ from fastrun_cpp.entrypoints.openai.responses.background import (
 from fastrun_cpp.entrypoints.openai.responses.protocol import (
     FunctionToolChoice,
     IncompleteDetails,
+    InputImagePart,
     InputTokensDetails,
+    MessageItem,
     OutputItem,
     OutputMessage,
     OutputReasoning,
@@ -43,6 +47,7 @@ from fastrun_cpp.entrypoints.openai.responses.protocol import (
     Response,
     ResponsesRequest,
     ResponseUsage,
+    ToolOutputItem,
 )
 from fastrun_cpp.entrypoints.openai.responses.sealed import ReasoningSeal
 from fastrun_cpp.entrypoints.openai.responses.store import (
@@ -73,11 +78,12 @@ def _account() -> str | None:
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal, runner: JobRunner, *,
-                 key_for: Callable[[int | None], ActiveKey | None], gate: AccountGate,
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore, seal: ReasoningSeal, runner: JobRunner,
+                 files: OpenAIServingFiles, *, key_for: Callable[[int | None], ActiveKey | None], gate: AccountGate,
                  usage: UsageRecorder | None, background_per_account: int) -> None:
         self.chat = chat
         self.store = store
+        self.files = files
         self.seal = seal
         self.background = BackgroundResponses(self, runner, key_for=key_for, gate=gate, usage=usage,
                                               per_account=background_per_account)
@@ -122,6 +128,7 @@ class OpenAIServingResponses:
         """The whole conversation, the tools and the chat request that answers it."""
         if history is None:
             history = await self._history(request)
+        await self._read_image_files(request)
         # Translating and validating a long conversation is work: off the event loop.
         conversation = history + await self.chat.in_prompt_pool(conversation_items, request, self.seal,
                                                                 _account() or "")
@@ -134,6 +141,23 @@ class OpenAIServingResponses:
                               f"{self.chat.limits.tools} (limit --limit-tools)")
         chat = await self.chat.in_prompt_pool(self._translated, request, conversation, tools)
         return conversation, tools, chat
+
+    async def _read_image_files(self, request: ResponsesRequest) -> None:
+        """Each input_image that names an uploaded file (`file_id`, the account's own) gets the
+        file's bytes as its image, before the input is translated and stored: a conversation
+        continued later, or a background response run later, reads the image it was sent, even
+        if the file is deleted since."""
+        if isinstance(request.input, str):
+            return
+        contents = [item.content if isinstance(item, MessageItem) else item.output
+                    for item in request.input if isinstance(item, (MessageItem, ToolOutputItem))]
+        parts = [part for content in contents if isinstance(content, list) for part in content
+                 if isinstance(part, InputImagePart) and part.image_url is None and part.file_id is not None]
+        if len(parts) > self.chat.limits.images:
+            raise bad_request(f"over {self.chat.limits.images} images in one request (limit --limit-images)")
+        for part in parts:
+            content = await self.files.image_file(part.file_id)
+            part.image_url = base64.b64encode(content).decode("ascii")  # media.py reads bare base64
 
     @staticmethod
     def _translated(request: ResponsesRequest, conversation: list[dict[str, Any]], tools: ToolSet) -> ChatCompletionRequest:
