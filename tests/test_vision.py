@@ -252,9 +252,10 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
     """The CLIs from npm, headless, each sending a PNG its own way: Claude Code a user message
     with an image block (its stream-json input, as its SDK sends one), Codex `exec -i`. Every
     request they make is a 2xx, and the image reaches the model: the turn's prompt holds the
-    image's tokens beyond the same turn without it. docs/coding-agents.md's registry for a
-    small model (a 32k context, answers that end at a line's end)."""
-    from tests.test_agent_clis import ClaudeCode, Codex, agent_registry
+    image's tokens beyond the same turn without it, and the conversation's next turn finds that
+    prompt, image and all, in the cache. docs/coding-agents.md's registry for a small model (a
+    32k context, answers that end at a line's end)."""
+    from tests.test_agent_clis import ClaudeCode, Codex, agent_registry, assert_reuses
 
     registry = tmp_path / "vision-agents.toml"
     registry.write_text(agent_registry(MODEL, f'path = "{gemma_path}"\nmmproj = "{projector}"'))
@@ -262,6 +263,8 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
     with run_server("--models-file", str(registry), log_dir=tmp_path, startup_timeout=120) as server:
         claude = ClaudeCode(tmp_path, server, "open-mode", model=MODEL)
         _, with_image = claude.turn("What is in this image? One word.", image=png)
+        _, following = claude.turn("And its colour? One word.", resume=True)
+        assert_reuses(with_image, following)
         _, without = claude.turn("What is in this image? One word.")
         assert (with_image.generations()[0]["prompt_tokens"] - without.generations()[0]["prompt_tokens"]
                 >= IMAGE_TOKENS), (with_image.requests, without.requests)
@@ -269,6 +272,8 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
         codex = Codex(tmp_path, server, "open-mode", model=MODEL)
         (codex.workdir / "shot.png").write_bytes(png)
         _, with_image = codex.turn("What is in this image? One word.", images=(codex.workdir / "shot.png",))
+        _, following = codex.turn("And its colour? One word.", resume=True)
+        assert_reuses(with_image, following)
         _, without = codex.turn("What is in this image? One word.")
         assert (with_image.generations()[0]["prompt_tokens"] - without.generations()[0]["prompt_tokens"]
                 >= IMAGE_TOKENS), (with_image.requests, without.requests)
@@ -428,8 +433,13 @@ def test_responses_read_an_uploaded_image_by_file_id(server):
     by_file, inline = asked({"file_id": uploaded.id}), asked({"image_url": PNG_77})
     assert by_file.output_text == inline.output_text
     assert by_file.usage.input_tokens == inline.usage.input_tokens > IMAGE_TOKENS
-    # A conversation continued later reads the image it was sent, the file deleted since.
+    # A background response run later, and a conversation continued later, read the image they
+    # were sent, the file deleted since.
+    queued = client.responses.create(**request, background=True, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "By file?"}, {"type": "input_image", "file_id": uploaded.id}]}])
     client.files.delete(uploaded.id)
+    assert wait_until(lambda: client.responses.retrieve(queued.id).status not in ("queued", "in_progress"), 600)
+    assert client.responses.retrieve(queued.id).output_text == inline.output_text
     follow = client.responses.create(**request, previous_response_id=by_file.id, input="And now?")
     assert follow.usage.input_tokens > by_file.usage.input_tokens
 
