@@ -47,6 +47,25 @@ def spec_counts(server, model: str) -> tuple[int, int]:
     return stats["drafted_tokens"], stats["accepted_tokens"]
 
 
+DRAFT_ATTEMPTS = 4
+
+
+def asked_with_drafts(servers, body: dict) -> tuple[list[tuple[dict, dict]], bool]:
+    """The same request to the server with drafts and to the one without, until drafts were
+    verified for it (at most DRAFT_ATTEMPTS times): every pair of answers, and whether drafts
+    were verified. Whether a draft is verified is the cost gate's call, from step times measured
+    on this machine, so on a busy one a whole answer may draft nothing: the request is asked
+    again (a state waited for, in attempts, not in time). Every pair must agree."""
+    model, on, off = servers
+    pairs = []
+    for _ in range(DRAFT_ATTEMPTS):
+        before = spec_counts(on, model)
+        pairs.append((ask(on, model, **body), ask(off, model, **body)))
+        if spec_counts(on, model)[0] > before[0]:
+            return pairs, True
+    return pairs, False
+
+
 @pytest.mark.parametrize("messages", [COPY, CODE, CHAT], ids=["copy", "code-edit", "chat"])
 def test_greedy_answers_are_the_same_with_and_without_drafts(servers, messages):
     model, on, off = servers
@@ -61,9 +80,12 @@ def test_greedy_answers_are_the_same_with_and_without_drafts(servers, messages):
 
 def test_drafts_are_used_when_the_answer_copies(servers):
     model, on, _ = servers
-    before = spec_counts(on, model)
-    ask(on, model, messages=COPY, max_tokens=160, temperature=0)
-    drafted, accepted = (a - b for a, b in zip(spec_counts(on, model), before))
+    for _ in range(DRAFT_ATTEMPTS):  # the cost gate's call, from step times: see asked_with_drafts
+        before = spec_counts(on, model)
+        ask(on, model, messages=COPY, max_tokens=160, temperature=0)
+        drafted, accepted = (a - b for a, b in zip(spec_counts(on, model), before))
+        if drafted > 0 and accepted > 0:
+            break
     assert drafted > 0 and accepted > 0
     assert on.health()["models"][model]["speculation"]["acceptance_rate"] is not None
     assert '"spec_accepted"' in on.log()
@@ -73,14 +95,14 @@ def test_drafts_are_used_when_the_answer_copies(servers):
 def test_seeded_sampling_is_the_same_with_and_without_drafts(servers, seed):
     """Each drafted position is sampled by the request's own sampler, exactly as without
     drafts: same seed, same tokens (so the distribution is the same too)."""
-    model, on, off = servers
+    model = servers[0]
     body = dict(messages=COPY, max_tokens=80, temperature=0.8, top_p=0.95, seed=seed)
-    before = spec_counts(on, model)
-    with_drafts = ask(on, model, **body)["choices"][0]["message"]
+    pairs, drafted = asked_with_drafts(servers, body)
     if model == DEFAULT_MODEL:  # drafts were verified, so the comparison means something (Gemma 3
         # strays from the passage at this temperature: its answers draft nothing to verify)
-        assert spec_counts(on, model)[0] > before[0]
-    assert with_drafts == ask(off, model, **body)["choices"][0]["message"]
+        assert drafted
+    for with_drafts, without in pairs:
+        assert with_drafts["choices"][0]["message"] == without["choices"][0]["message"]
 
 
 @pytest.mark.parametrize("extra", [
@@ -90,16 +112,16 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(servers, seed):
     {"logit_bias": {"11": -100, "28": 5}},
 ], ids=["grammar", "stop", "penalties", "logit_bias"])
 def test_everything_else_still_applies(servers, extra):
-    model, on, off = servers
     body = dict(messages=COPY, max_tokens=120, temperature=0, **extra)
-    before = spec_counts(on, model)
-    with_drafts, without = ask(on, model, **body), ask(off, model, **body)
+    copies = not {"response_format", "frequency_penalty"} & set(extra)
+    pairs, drafted = asked_with_drafts(servers, body) if copies else ([(ask(servers[1], servers[0], **body),
+                                                                         ask(servers[2], servers[0], **body))], False)
     # Drafts were verified, so the comparison means something: not for a JSON answer (it copies no
     # prose; its grammar refuses those drafts), nor with penalties (they keep the answer from copying).
-    if not {"response_format", "frequency_penalty"} & set(extra):
-        assert spec_counts(on, model)[0] > before[0]
-    assert with_drafts["choices"][0]["message"]["content"] == without["choices"][0]["message"]["content"]
-    assert with_drafts["usage"]["completion_tokens"] == without["usage"]["completion_tokens"]
+    assert drafted or not copies
+    for with_drafts, without in pairs:
+        assert with_drafts["choices"][0]["message"]["content"] == without["choices"][0]["message"]["content"]
+        assert with_drafts["usage"]["completion_tokens"] == without["usage"]["completion_tokens"]
 
 
 def test_a_request_can_opt_out(servers):
