@@ -47,6 +47,11 @@ class DecodedImage:
         return len(self.rgb)
 
 
+def is_url(url: str) -> bool:
+    """An http(s) URL (fetched from the allowed hosts, media_fetch.py), not image data."""
+    return url.lstrip()[:8].lower().startswith(("http://", "https://"))
+
+
 def image_bytes(url: str, *, media_type: str | None = None) -> tuple[bytes, str | None]:
     """The bytes of an image given as a data URI or as raw base64 (as llama-server takes it),
     and the media type it claims. An http(s) URL is fetched before (media_fetch.py), or refused here."""
@@ -56,7 +61,7 @@ def image_bytes(url: str, *, media_type: str | None = None) -> tuple[bytes, str 
         if not match.group("b64"):
             raise MediaError("an image data URI must be base64 (data:image/png;base64,...)")
         media_type, payload = match.group("type"), url[match.end():]
-    elif url.startswith(("http://", "https://")):  # fetched before, from the allowed hosts (media_fetch.py)
+    elif is_url(url):  # fetched before, from the allowed hosts (media_fetch.py)
         raise MediaError("image URLs are fetched only from the hosts an operator allows (--allowed-media-domains); "
                          "send the image as a data URI (data:image/png;base64,...) or base64")
     else:

@@ -34,10 +34,6 @@ _REDIRECTS = (301, 302, 303, 307, 308)
 _FLAG = "--allowed-media-domains"
 
 
-def is_url(url: str) -> bool:
-    return url.lstrip()[:8].lower().startswith(("http://", "https://"))
-
-
 @dataclass
 class _Budget:
     """The bytes one request's fetches may still read together."""

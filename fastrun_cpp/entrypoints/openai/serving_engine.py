@@ -45,8 +45,8 @@ from fastrun_cpp.entrypoints.request_context import current_record
 from fastrun_cpp.entrypoints.tenancy import LimitReached
 from fastrun_cpp.fair_turns import Share
 from fastrun_cpp.limits import Limits
-from fastrun_cpp.media import DecodedImage, MediaError, decode_image, image_bytes
-from fastrun_cpp.media_fetch import MediaFetcher, is_url
+from fastrun_cpp.media import DecodedImage, MediaError, decode_image, image_bytes, is_url
+from fastrun_cpp.media_fetch import MediaFetcher
 from fastrun_cpp.runtime import EngineStream
 from fastrun_cpp.structured.builder import BuildError, GrammarBuilder
 from fastrun_cpp.structured.spec import GrammarSpec
@@ -92,9 +92,13 @@ class PromptImages:
             raise bad_request(f"the model {self._served.id!r} does not take images: serve it with its vision "
                               "projector (--mmproj, or mmproj in its registry entry)")
         if len(self.urls) >= self._limits.images:
-            raise bad_request(f"over {self._limits.images} images in one request (limit --limit-images)")
+            raise too_many_images(self._limits)
         self.urls.append(url)
         return self.marker
+
+
+def too_many_images(limits: Limits) -> APIError:
+    return bad_request(f"over {limits.images} images in one request (limit --limit-images)")
 
 
 @dataclasses.dataclass
@@ -278,7 +282,7 @@ class OpenAIServing:
         if not wanted or served.runtime.projector is None:
             return {}
         if len(wanted) > self.limits.images:
-            raise bad_request(f"over {self.limits.images} images in one request (limit --limit-images)")
+            raise too_many_images(self.limits)
         try:
             return await self.media_fetcher.fetch_all(wanted)
         except MediaError as exc:

@@ -107,7 +107,7 @@ class OpenAIServingBatches:
         if await self.files.in_store(self.store.files.full, owner):
             raise APIError(429, "this account's files fill its budget (batch outputs count); delete some first: "
                                 "DELETE /v1/files/{file_id}", "rate_limit_error")
-        content = await self.files.batch_file(stored.id)
+        content = await self.files.whole(stored.id)
         lines = await asyncio.to_thread(parse_lines, content, request.endpoint)
         now = int(time.time())
         failed = sum(1 for line in lines if line.error is not None)

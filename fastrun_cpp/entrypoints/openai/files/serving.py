@@ -118,13 +118,11 @@ class OpenAIServingFiles:
         if stored.bytes > self.limits.image_bytes:  # the limit may have been lowered since
             raise bad_request(f"file_id: an image of {stored.bytes} bytes is over the limit of "
                               f"{self.limits.image_bytes} (--limit-image-bytes)")
-        content = await self.in_store(self.store.content, account(), file_id)
-        if content is None:
-            raise APIError(404, f"no file with id {file_id!r}")
-        return content
+        return await self.whole(file_id)
 
-    async def batch_file(self, file_id: str) -> bytes:
-        """An uploaded batch file whole (at most the body limit): what a batch is parsed from."""
+    async def whole(self, file_id: str) -> bytes:
+        """An uploaded file whole (a batch file, at most the body limit; an image, at most the
+        image limit): what a batch is parsed from, or an input_image by file_id reads."""
         content = await self.in_store(self.store.content, account(), file_id)
         if content is None:
             raise APIError(404, f"no file with id {file_id!r}")

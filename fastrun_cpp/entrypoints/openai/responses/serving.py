@@ -27,6 +27,7 @@ from fastrun_cpp.entrypoints.openai.chat_completion.serving import OpenAIServing
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from fastrun_cpp.entrypoints.openai.files.serving import OpenAIServingFiles
 from fastrun_cpp.entrypoints.openai.protocol import ChatCompletionRequest, unix_time
+from fastrun_cpp.entrypoints.openai.serving_engine import too_many_images
 from fastrun_cpp.entrypoints.openai.protocol import Usage as ChatUsage
 from fastrun_cpp.entrypoints.openai.responses.background import (
     BackgroundResponses,
@@ -154,7 +155,7 @@ class OpenAIServingResponses:
         parts = [part for content in contents if isinstance(content, list) for part in content
                  if isinstance(part, InputImagePart) and part.image_url is None and part.file_id is not None]
         if len(parts) > self.chat.limits.images:
-            raise bad_request(f"over {self.chat.limits.images} images in one request (limit --limit-images)")
+            raise too_many_images(self.chat.limits)
         for part in parts:
             content = await self.files.image_file(part.file_id)
             part.image_url = base64.b64encode(content).decode("ascii")  # media.py reads bare base64
