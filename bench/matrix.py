@@ -3,6 +3,10 @@
     .venv/bin/python bench/matrix.py [--rounds 2] [--models smollm2,gemma] [--cells prefill,decode,...]
                                      [--base-ref REV [--no-llama-server]]
 
+One stream against llama-server is measured better by bench/one_stream.py (servers side by
+side, answers alternating): here the servers run one after the other, and a c=1 cell moves with
+the machine's drift.
+
 llama-server comes from `bench/build_llama_server.sh` (the llama.cpp that llama-cpp-python
 vendors, built as users build it: llama.cpp's default options, llamafile's tinyBLAS on). Both
 servers get the same model file, threads, slots (16) and context per slot (5120). Servers
@@ -16,7 +20,8 @@ Prefill (one token answered) is fastrun-cpp's default against plain llama-server
 Cells (streamed chats, default fastrun-cpp settings otherwise: exact mode):
 - prefill-1k / -2k / -4.5k: time to first token of a cold prompt (a fresh nonce in front, so no
   cache on either side holds any of it); ratio = llama-server's TTFT / ours;
-- decode c=1 / c=8 / c=16: aggregate tokens/s of that many 128-token answers at once, at
+- decode c=1 / c=8 / c=16: aggregate tokens/s of that many 128-token answers at once (each runs
+  its 128 tokens: `ignore_eos`), at
   temperature 0, each to a prompt its server has not seen before; sampled c=…: the same at
   temperature 0.7, each answer seeded, with llama-server's default chain named to both servers
   (SAMPLED_CHAIN);
@@ -117,10 +122,12 @@ def restart_prompts() -> None:
 
 
 def decode_body(_: int) -> dict:
+    """A new story prompt, answered with all of max_tokens on both servers (`ignore_eos`, which
+    both take): rates compare the same number of tokens, not how soon a model chose to stop."""
     number = next(prompt_numbers)
     body = speculative.chat_body(number)
     body["messages"][0]["content"] = body["messages"][0]["content"].removesuffix(".") + f", set in the year {1000 + number}."
-    return body
+    return {**body, "ignore_eos": True}
 
 
 # Both servers draw from the same distribution. Given a temperature alone, llama-server still

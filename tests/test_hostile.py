@@ -124,6 +124,9 @@ CHAT_CASES = {
     "5000 logit_bias entries": {"logit_bias": {str(i): 1 for i in range(5000)}},
     "logit_bias on a token that does not exist": {"logit_bias": {"999999999": 5}},
     "logit_bias keyed by a word": {"logit_bias": {"hello": 5}},
+    "min_tokens over max_tokens": {"min_tokens": 1000, "max_tokens": 5},
+    "min_tokens of a billion": {"min_tokens": 10**9},
+    "ignore_eos as a string": {"ignore_eos": "true"},
     "n over the limit": {"n": 129},
     "n of a million": {"n": 10**6},
     "a string for a boolean": {"stream": "yes"},
@@ -154,6 +157,7 @@ COMPLETION_CASES = {
     "best_of streamed": {"prompt": "hi", "n": 1, "best_of": 3, "stream": True},
     "a prompt of 30 MB": {"prompt": "ab " * 10_000_000},
     "echo with a huge logprobs": {"prompt": "hi", "echo": True, "logprobs": 100},
+    "min_tokens over the default max_tokens": {"prompt": "hi", "min_tokens": 17},
 }
 
 

@@ -1,4 +1,5 @@
-"""The parameters real OpenAI clients send, through the OpenAI SDK: n, logit_bias, echo,
+"""The parameters real OpenAI clients send, through the OpenAI SDK: n, logit_bias, min_tokens and
+ignore_eos, echo,
 suffix, best_of, parallel_tool_calls, lenient and strict tools, think-then-constrain, and the
 fields accepted and ignored."""
 
@@ -166,6 +167,40 @@ def test_logit_bias_works_with_a_grammar(client, model):
     assert content.lstrip().startswith("{")  # " banana" cannot start a JSON object
     json.loads(close_json(content))
     assert '"' not in [entry.token for entry in response.choices[0].logprobs.content]
+
+
+# ------------------------------------------------------------------ min_tokens, ignore_eos (vLLM's, llama-server's)
+
+SHORT = [{"role": "user", "content": "Answer with one word: is the sky blue?"}]
+
+
+def test_min_tokens_and_ignore_eos_hold_the_end_back(client, model, http):
+    natural = client.chat.completions.create(model=model, messages=SHORT, max_tokens=100, temperature=0)
+    ended = natural.usage.completion_tokens  # the end-of-generation token included
+    assert natural.choices[0].finish_reason == "stop" and ended < 60, natural
+    longer = client.chat.completions.create(model=model, messages=SHORT, max_tokens=100, temperature=0,
+                                            extra_body={"min_tokens": ended + 10})
+    assert longer.usage.completion_tokens >= ended + 10
+    # Up to where the model ended, the logits were the same: the same text.
+    assert longer.choices[0].message.content.startswith(natural.choices[0].message.content.rstrip())
+    full = client.chat.completions.create(model=model, messages=SHORT, max_tokens=ended + 20, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert (full.usage.completion_tokens, full.choices[0].finish_reason) == (ended + 20, "length")
+    # Raw completions, streamed, sampled: the same.
+    with http.stream("POST", "/completions", json={
+            "model": model, "prompt": "The end.", "max_tokens": 40, "ignore_eos": True, "temperature": 1, "seed": 5,
+            "stream": True, "stream_options": {"include_usage": True}}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 40
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+@pytest.mark.parametrize("fields", [{"min_tokens": 30, "max_tokens": 20}, {"min_tokens": -1},
+                                    {"min_tokens": "5"}, {"ignore_eos": "yes"}, {"min_tokens": 10**9}])
+def test_min_tokens_and_ignore_eos_out_of_range_are_400s(http, model, fields):
+    response = http.post("/chat/completions", json={"model": model, "messages": SHORT, **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 # ------------------------------------------------------------------ echo, suffix, best_of

@@ -15,6 +15,7 @@ import numpy as np
 
 from fastrun_cpp.engine.batch import TokenBatch
 from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.logprobs import logits_view
 from fastrun_cpp.engine.errors import EngineError, VocabularyMismatch
 from fastrun_cpp.engine.speculative import DraftLength, DraftTurn, SpeculationConfig
 from fastrun_cpp.engine.tokens import common_prefix_length
@@ -104,8 +105,7 @@ class DraftModelRunner:
                 logger.warning("the draft model's decode failed; no drafts this step")
                 return {}
             for seq in going:
-                logits = np.ctypeslib.as_array(llama.llama_get_logits_ith(self._ctx, index[seq]),
-                                               shape=(self.model.n_vocab,))
+                logits = logits_view(llama.llama_get_logits_ith(self._ctx, index[seq]), self.model.n_vocab)
                 token = int(np.argmax(logits))
                 if token in self.model.eog_token_ids:
                     limits[seq] = len(drafts[seq])  # a draft never runs past the end of the answer

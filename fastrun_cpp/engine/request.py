@@ -35,6 +35,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit; -inf bans)
+    min_tokens: int = 0  # no end-of-generation token before this many (vLLM's field)
+    ignore_eos: bool = False  # no end-of-generation token at all (vLLM's and llama-server's field)
+
+    def may_end(self, generated: int) -> bool:
+        """Whether the model may end the answer with its end-of-generation token once it has
+        generated this many tokens (stop strings and max_tokens end it regardless)."""
+        return not self.ignore_eos and generated >= self.min_tokens
 
     @property
     def greedy(self) -> bool:

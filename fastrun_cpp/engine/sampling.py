@@ -13,6 +13,7 @@ from typing import Iterable
 import llama_cpp.llama_cpp as llama
 import numpy as np
 
+from fastrun_cpp.engine.logprobs import logits_view
 from fastrun_cpp.engine.request import NO_TOKEN, SamplingParams
 
 MIN_REPETITION_PENALTY = 1e-3
@@ -174,7 +175,7 @@ class Candidates:
     def fill(self, logits: ctypes.POINTER(ctypes.c_float)):
         """All tokens with these logits; samplers may reorder and shrink the array in place."""
         self._all["id"] = self._ids
-        self._all["logit"] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        self._all["logit"] = logits_view(logits, self.n_vocab)
         self._all["p"] = 0.0
         self._hand_over(self.n_vocab)
         return self.array
@@ -409,11 +410,11 @@ class SamplerChain:
     def _pick(self, logits_pointer, candidates: Candidates) -> int:
         """The token picked from these logits, unconstrained."""
         if self._temperature_only:
-            logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
+            logits = logits_view(logits_pointer, self._n_vocab)
             index = self._dist.pick(logits, candidates.scratch, self.params.temperature)
             return NO_TOKEN if index is None else index
         if not (self._top_k_first and candidates.fill_top(
-                np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,)), self.params.top_k)):
+                logits_view(logits_pointer, self._n_vocab), self.params.top_k)):
             candidates.fill(logits_pointer)
         return self._pick_from(candidates)
 
@@ -427,7 +428,7 @@ class SamplerChain:
         return NO_TOKEN if index is None else candidates.token_at(index)
 
     def _sample_argmax(self, logits_pointer) -> int:
-        logits = np.ctypeslib.as_array(logits_pointer, shape=(self._n_vocab,))
+        logits = logits_view(logits_pointer, self._n_vocab)
         token = int(np.argmax(logits))
         if self._grammar is None:
             return token

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import time
 from typing import Callable
 
@@ -57,6 +58,7 @@ class StepRunner:
         self._draft_max = draft_max
         self._drafter = drafter
         self._candidates = Candidates(model.n_vocab)
+        self._eog = sorted(model.eog_token_ids)
         self._masks_ahead = MasksAhead(workers=2)
         self._mask_seconds: dict[int, float] = {}  # by sequence: CPU of the mask computed ahead for this step
         self._grammar_step_ms = grammar_step_ms * vocabulary_scale(model.n_vocab)
@@ -244,6 +246,8 @@ class StepRunner:
                 token = forced
                 sampler.accept_forced(token)
             else:
+                if not sampler.params.may_end(choice.n_generated + position):
+                    self._ban_end(batch_index)
                 try:
                     token = sampler.sample(self._ctx, batch_index, self._candidates)
                 except ConstraintError as exc:
@@ -277,6 +281,15 @@ class StepRunner:
             if position >= len(draft) or token != draft[position]:
                 break
         return Picked(emitted, logprobs, len(draft))
+
+    def _ban_end(self, batch_index: int) -> None:
+        """min_tokens and ignore_eos: no end-of-generation token from these logits. Written into
+        llama.cpp's logits where they lie, before any sampler reads them, so every path (argmax,
+        the chain, a grammar's mask, logprobs) sees the ban and the fast ones stay fast. A few
+        tokens, each written through the pointer (cheaper than a numpy view, per token)."""
+        logits = llama.llama_get_logits_ith(self._ctx, batch_index)
+        for token in self._eog:
+            logits[token] = -math.inf
 
     def _score_prompt(self, choice: RunningChoice, start: int, first_index: int,
                       length: int) -> list[TokenLogprob | None]:

@@ -14,6 +14,7 @@ from fastrun_cpp.keep_alive import parse_keep_alive
 # idle (a duration such as "5m", or seconds; 0: unload it then; negative: for good). Seconds here.
 KeepAlive = Annotated[str | float, AfterValidator(parse_keep_alive)]
 
+MAX_MIN_TOKENS = 128_000  # the longest answer any route takes (protocol_base.MAX_OUTPUT_TOKENS)
 MAX_LORA_SCALE = 100.0  # the registry's bound, repeated so that the API needs nothing of it
 
 
@@ -36,6 +37,11 @@ class SamplingFields(RequestModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(ge=0, le=2)] | None = None
     seed: Annotated[int, Field(ge=0, le=2147483647)] | None = None
+    # vLLM's: no end-of-generation token before this many tokens (stop strings still end it).
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_MIN_TOKENS)] | None = None
+    # vLLM's and llama-server's: no end-of-generation token at all; the answer runs to its
+    # max_tokens or a stop string (benchmark clients send it so that every answer is as long).
+    ignore_eos: bool | None = None
     keep_alive: KeepAlive | None = None
 
     def sampling_values(self) -> dict[str, Any]:

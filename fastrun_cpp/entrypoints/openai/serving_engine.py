@@ -359,6 +359,10 @@ class OpenAIServing:
         seed = request.seed
         if seed is not None:
             seed %= 2**32 - 1  # llama.cpp's seed is a uint32 whose max means "random"
+        min_tokens = request.min_tokens or 0
+        max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
         return SamplingParams(
             temperature=pick("temperature"),
             top_p=pick("top_p"),
@@ -369,6 +373,8 @@ class OpenAIServing:
             repetition_penalty=pick("repetition_penalty"),
             seed=seed,
             logit_bias=self._logit_bias(request.logit_bias, served),
+            min_tokens=min_tokens,
+            ignore_eos=bool(request.ignore_eos),
         )
 
     @staticmethod

@@ -1,0 +1,164 @@
+"""One stream (c=1), fastrun-cpp against llama-server, with the servers up side by side and their
+answers alternating: the figure bench/matrix.py's c=1 cells cannot give on a shared machine.
+
+    .venv/bin/python bench/one_stream.py [--models smollm2,gemma,tiny] [--rounds 12] [--sampled]
+
+Why side by side: a c=1 answer is one stream on 2 cores, and this machine's speed drifts by 10-20%
+over minutes (a VM's neighbours). The matrix runs one server after the other, so its c=1 ratios
+swung from 0.90x to 1.06x between runs of the same code. Here every round asks each server once,
+one answer at a time, in an order that alternates round by round, and the figure is the median
+of the rounds' own ratios: drift hits both sides of a ratio alike.
+
+Equal work: every answer is 128 tokens (`ignore_eos`, which both servers take), to a prompt new
+to both servers, the same prompt for every server within a round. Both servers: the same model
+file, threads, slots (16) and context per slot (5120), as in the matrix. Pairs, as in the matrix:
+fastrun-cpp `--spec-type none` against plain llama-server, and fastrun-cpp's default n-gram
+drafts against llama-server `--spec-type ngram-mod`.
+
+Where the time goes: each server's CPU per generated token, thread by thread (from
+/proc/PID/task), and fastrun-cpp's own split of a step (llama_decode and host work, /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import matrix, speculative, structured  # noqa: E402
+from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, running  # noqa: E402
+from fastrun_cpp.settings import physical_cores  # noqa: E402
+
+TOKENS = 128
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each of the process's threads ("main" for the one the process started)."""
+    used = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        used["main" if int(tid) == pid else tid] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return used
+
+
+async def answer(base_url: str, number: int, sampled: bool) -> tuple[int, float]:
+    """One answer of TOKENS tokens to prompt `number`: (tokens, seconds)."""
+    matrix.prompt_numbers = iter([number])  # the round's prompt, the same for every server
+    body = {**(matrix.sampled_body(number) if sampled else matrix.decode_body(number)),
+            "max_tokens": TOKENS, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        started = time.perf_counter()
+        result = await speculative.answer(client, base_url, body)
+        return result["tokens"], time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2,gemma,tiny")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded (matrix.SAMPLED_CHAIN)")
+    parser.add_argument("--pairs", default="no speculation,speculation")
+    parser.add_argument("--threads", type=int, default=physical_cores())
+    args = parser.parse_args()
+    if not LLAMA_SERVER.exists():
+        print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
+        return 1
+    paths = structured.model_paths()
+    paths["tiny"] = matrix.tiny_model(paths["smollm2"])
+    servers = {
+        "fastrun-cpp no-spec": ServerSpec("fastrun-cpp", matrix.SLOTS, matrix.CTX, args.threads,
+                                          extra_args=("--spec-type", "none"), label="fastrun-cpp-no-spec"),
+        "llama-server": ServerSpec("llama-server", matrix.SLOTS, matrix.CTX, args.threads),
+        "fastrun-cpp": ServerSpec("fastrun-cpp", matrix.SLOTS, matrix.CTX, args.threads),
+        "llama-server ngram-mod": ServerSpec("llama-server", matrix.SLOTS, matrix.CTX, args.threads, batch_size=2048,
+                                             extra_args=("--spec-type", "ngram-mod"), label="llama-server-ngram-mod"),
+    }
+    pairs = {side: matrix.PAIRS[side] for side in args.pairs.split(",")}
+    env = {"FASTRUN_KEYS_DB": str(Path(os.environ.get("TMPDIR", "/tmp")) / f"fastrun-one-stream-{os.getpid()}.sqlite3")}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    tables = []
+    for model in args.models.split(","):
+        names = [name for pair in pairs.values() for name in pair]
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, dict[str, float]] = {name: {} for name in names}
+        tokens: dict[str, int] = dict.fromkeys(names, 0)
+        split = {"llama_decode": 0.0, "host": 0.0, "generated": 0.0}
+        with contextlib.ExitStack() as stack:
+            up = {}
+            for name in names:
+                spec = servers[name]
+                if model in matrix.TEMPLATES:
+                    spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--chat-template-file",
+                                                                 str(matrix.TEMPLATES[model])))
+                up[name] = stack.enter_context(running(spec, paths[model], env=env))
+            for name in names:  # a warm-up answer each, to a prompt no round asks
+                asyncio.run(answer(up[name].base_url, 1_000_000, args.sampled))
+            counters_before = {name: matrix.engine_counters(up[name].base_url) for name in names
+                               if name.startswith("fastrun-cpp")}
+            for round_index in range(args.rounds):
+                for name in names if round_index % 2 == 0 else reversed(names):
+                    before = thread_cpu(up[name].pid)
+                    count, seconds = asyncio.run(answer(up[name].base_url, round_index, args.sampled))
+                    after = thread_cpu(up[name].pid)
+                    rates[name].append(count / seconds)
+                    tokens[name] += count
+                    for thread, used in after.items():
+                        cpu[name][thread] = cpu[name].get(thread, 0.0) + used - before.get(thread, 0.0)
+                print(f"{model} round {round_index + 1}: " + ", ".join(f"{name} {rates[name][-1]:.1f}" for name in names),
+                      flush=True)
+            for name, before in counters_before.items():
+                after = matrix.engine_counters(up[name].base_url)
+                for key in split:
+                    split[key] += after[key] - before[key]
+        rows = []
+        for side, (ours, theirs) in pairs.items():
+            ratios = [a / b for a, b in zip(rates[ours], rates[theirs])]
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            ahead = sum(ratio > 1 for ratio in ratios)
+            rows.append(f"| {model} | {'sampled' if args.sampled else 'greedy'} c=1 | {side} | "
+                        f"{statistics.median(rates[ours]):.1f} | {statistics.median(rates[theirs]):.1f} | "
+                        f"**{statistics.median(ratios):.3f}x** | {q1:.3f}-{q3:.3f} | {ahead}/{len(ratios)} |")
+        where = []
+        for name in names:
+            threads = sorted(cpu[name].items(), key=lambda item: -item[1])
+            total = sum(used for _, used in threads) / tokens[name] * 1000
+            busiest = ", ".join(f"{thread} {used / tokens[name] * 1000:.2f}" for thread, used in threads[:3])
+            where.append(f"- {model} {name}: CPU {total:.2f} ms per token ({busiest})")
+        generated = max(1.0, split["generated"])
+        where.append(f"- {model} fastrun-cpp, both servers: llama_decode {split['llama_decode'] / generated * 1000:.2f} "
+                     f"ms and host {split['host'] / generated * 1000:.3f} ms per token")
+        tables.append((rows, where))
+    print(f"\nbench/one_stream.py, {time.strftime('%Y-%m-%d %H:%M')}, commit {commit}, {platform.machine()}, "
+          f"{args.threads} threads, {args.rounds} rounds, servers side by side, answers alternating; ratio > 1: "
+          "fastrun-cpp ahead. Baseline: llama-server built with llama.cpp's default options.\n")
+    print("| model | cell | speculation | fastrun-cpp tok/s | llama-server tok/s | median of the rounds' ratios "
+          "| quartiles | rounds ahead |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rows, _ in tables:
+        print("\n".join(rows))
+    print()
+    for _, where in tables:
+        print("\n".join(where))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
