@@ -2,6 +2,7 @@
 answers alternating: the figure bench/matrix.py's c=1 cells cannot give on a shared machine.
 
     .venv/bin/python bench/one_stream.py [--models smollm2,gemma,tiny] [--rounds 12] [--sampled]
+    .venv/bin/python bench/one_stream.py --models smollm2 --pairs flags --flags="--stream-interval-ms 20"
 
 Why side by side: a c=1 answer is one stream on 2 cores, and this machine's speed drifts by 10-20%
 over minutes (a VM's neighbours). The matrix runs one server after the other, so its c=1 ratios
@@ -13,7 +14,9 @@ Equal work: every answer is 128 tokens (`ignore_eos`, which both servers take), 
 to both servers, the same prompt for every server within a round. Both servers: the same model
 file, threads, slots (16) and context per slot (5120), as in the matrix. Pairs, as in the matrix:
 fastrun-cpp `--spec-type none` against plain llama-server, and fastrun-cpp's default n-gram
-drafts against llama-server `--spec-type ngram-mod`.
+drafts against llama-server `--spec-type ngram-mod`. With `--flags`, a third pair ("flags"):
+fastrun-cpp without drafts with those flags against fastrun-cpp without drafts, the before and
+after of a setting, measured the same way.
 
 Where the time goes: each server's CPU per generated token, thread by thread (from
 /proc/PID/task), and fastrun-cpp's own split of a step (llama_decode and host work, /metrics).
@@ -74,12 +77,11 @@ def main() -> int:
     parser.add_argument("--models", default="smollm2,gemma,tiny")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded (matrix.SAMPLED_CHAIN)")
-    parser.add_argument("--pairs", default="no speculation,speculation")
+    parser.add_argument("--pairs", default="no speculation,speculation",
+                        help="which pairs: no speculation, speculation, flags")
+    parser.add_argument("--flags", default="", help="fastrun-cpp flags the 'flags' pair tries")
     parser.add_argument("--threads", type=int, default=physical_cores())
     args = parser.parse_args()
-    if not LLAMA_SERVER.exists():
-        print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
-        return 1
     paths = structured.model_paths()
     paths["tiny"] = matrix.tiny_model(paths["smollm2"])
     servers = {
@@ -90,13 +92,21 @@ def main() -> int:
         "llama-server ngram-mod": ServerSpec("llama-server", matrix.SLOTS, matrix.CTX, args.threads, batch_size=2048,
                                              extra_args=("--spec-type", "ngram-mod"), label="llama-server-ngram-mod"),
     }
-    pairs = {side: matrix.PAIRS[side] for side in args.pairs.split(",")}
+    if args.flags:
+        servers["fastrun-cpp flags"] = ServerSpec("fastrun-cpp", matrix.SLOTS, matrix.CTX, args.threads,
+                                                  extra_args=("--spec-type", "none", *args.flags.split()),
+                                                  label="fastrun-cpp-flags")
+    pairs = {side: {**matrix.PAIRS, "flags": ("fastrun-cpp flags", "fastrun-cpp no-spec")}[side]
+             for side in args.pairs.split(",")}
+    if any(name.startswith("llama-server") for pair in pairs.values() for name in pair) and not LLAMA_SERVER.exists():
+        print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
+        return 1
     env = {"FASTRUN_KEYS_DB": str(Path(os.environ.get("TMPDIR", "/tmp")) / f"fastrun-one-stream-{os.getpid()}.sqlite3")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     tables = []
     for model in args.models.split(","):
-        names = [name for pair in pairs.values() for name in pair]
+        names = list(dict.fromkeys(name for pair in pairs.values() for name in pair))
         rates: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, dict[str, float]] = {name: {} for name in names}
         tokens: dict[str, int] = dict.fromkeys(names, 0)
@@ -133,7 +143,8 @@ def main() -> int:
             ratios = [a / b for a, b in zip(rates[ours], rates[theirs])]
             q1, _, q3 = statistics.quantiles(ratios, n=4)
             ahead = sum(ratio > 1 for ratio in ratios)
-            rows.append(f"| {model} | {'sampled' if args.sampled else 'greedy'} c=1 | {side} | "
+            label = f"{side}: {args.flags} against without" if side == "flags" else side
+            rows.append(f"| {model} | {'sampled' if args.sampled else 'greedy'} c=1 | {label} | "
                         f"{statistics.median(rates[ours]):.1f} | {statistics.median(rates[theirs]):.1f} | "
                         f"**{statistics.median(ratios):.3f}x** | {q1:.3f}-{q3:.3f} | {ahead}/{len(ratios)} |")
         where = []
@@ -143,7 +154,7 @@ def main() -> int:
             busiest = ", ".join(f"{thread} {used / tokens[name] * 1000:.2f}" for thread, used in threads[:3])
             where.append(f"- {model} {name}: CPU {total:.2f} ms per token ({busiest})")
         generated = max(1.0, split["generated"])
-        where.append(f"- {model} fastrun-cpp, both servers: llama_decode {split['llama_decode'] / generated * 1000:.2f} "
+        where.append(f"- {model} fastrun-cpp, all its servers: llama_decode {split['llama_decode'] / generated * 1000:.2f} "
                      f"ms and host {split['host'] / generated * 1000:.3f} ms per token")
         tables.append((rows, where))
     print(f"\nbench/one_stream.py, {time.strftime('%Y-%m-%d %H:%M')}, commit {commit}, {platform.machine()}, "

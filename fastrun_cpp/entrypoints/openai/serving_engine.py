@@ -479,18 +479,21 @@ class OpenAIServing:
         started = record.started if record is not None else time.perf_counter()
         last_token_at: float | None = None
         produced: dict[int, int] = {}  # completion tokens counted so far, by choice
+        # The model's series, looked up once per request rather than per chunk (a stream's
+        # chunks are the event loop's work per token, which competes with llama.cpp's threads).
+        gaps = self.metrics.inter_token.labels(served.id) if self.metrics is not None else None
+        generated = self.metrics.generation_tokens.labels(served.id) if self.metrics is not None else None
         try:
             async for output in stream:
-                self._observe_usage(served, record, output, produced)
+                self._observe_usage(served, record, output, produced, generated)
                 now = time.perf_counter()
                 if output.token_ids:
                     if last_token_at is None:
                         self._observe_first_token(served, record, now - started)
-                    elif self.metrics is not None:
+                    elif gaps is not None:
                         gap = (now - last_token_at) / len(output.token_ids)
-                        histogram = self.metrics.inter_token.labels(served.id)
                         for _ in output.token_ids:
-                            histogram.observe(gap)
+                            gaps.observe(gap)
                     last_token_at = now
                 yield output
         except RequestTimedOut as exc:
@@ -510,7 +513,8 @@ class OpenAIServing:
         if self.metrics is not None:
             self.metrics.ttft.labels(served.id).observe(ttft)
 
-    def _observe_usage(self, served: ServedModel, record, output: GenerationOutput, produced: dict[int, int]) -> None:
+    def _observe_usage(self, served: ServedModel, record, output: GenerationOutput, produced: dict[int, int],
+                       generated) -> None:
         """Count usage as it is produced (the prompt was counted at submit): a request that
         ends early for any reason (the client gone, its time limit, an error) is billed what
         it was served so far."""
@@ -530,7 +534,7 @@ class OpenAIServing:
                 self.metrics.prompt_tokens.labels(served.id).inc(output.prompt_tokens)
                 self.metrics.cached_tokens.labels(served.id).inc(cached)
             if new_tokens:
-                self.metrics.generation_tokens.labels(served.id).inc(new_tokens)
+                generated.inc(new_tokens)
 
 
 def stream_error_event(exc: APIError) -> str:
