@@ -203,12 +203,77 @@ def test_hostile_images_are_refused_in_the_anthropic_shape(server):
     assert "--limit-image-pixels" in response.json()["error"]["message"]
 
 
+# ------------------------------------------------ /v1/completions with llama-server's multimodal_data
+
+
+def complete(server, prompt, **extra) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3, **extra}, timeout=600)
+
+
+def raw_base64(pixels: np.ndarray) -> str:
+    return base64.b64encode(encoded(pixels)).decode()
+
+
+def completion_of(response: httpx.Response) -> tuple[str, list]:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["top_logprobs"]
+
+
+def test_completions_take_images_as_llama_server_does(server):
+    """llama-server's prompt object: the text with a media marker where each image goes."""
+    prompt = "A picture: <__media__>\nIt shows"
+    cold = complete(server, {"prompt_string": prompt, "multimodal_data": [raw_base64(picture(3))]})
+    text_only = complete(server, "A picture: \nIt shows")
+    usage = cold.json()["usage"]
+    assert usage["prompt_tokens"] - text_only.json()["usage"]["prompt_tokens"] >= IMAGE_TOKENS
+    # The same pixels again (as a data URI this time): a prefix hit, answered as cold.
+    again = complete(server, {"prompt_string": prompt, "multimodal_data": [data_uri(encoded(picture(3)))]})
+    assert completion_of(again) == completion_of(cold)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    other = complete(server, {"prompt_string": prompt, "multimodal_data": [raw_base64(picture(140))]})
+    assert completion_of(other) != completion_of(cold)
+    # In a list beside a plain prompt, streamed, echoing its text.
+    with httpx.stream("POST", f"{server.base_url}/completions", json={
+            "model": MODEL, "max_tokens": 4, "temperature": 0, "stream": True, "echo": True,
+            "prompt": ["Plain text", {"prompt_string": prompt, "multimodal_data": [raw_base64(picture(3))]}]},
+            timeout=600) as stream:
+        assert stream.status_code == 200
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    texts = {index: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == index)
+             for index in (0, 1)}
+    assert texts[0].startswith("Plain text") and texts[1].startswith(prompt)
+
+
+@pytest.mark.parametrize("prompt, extra, named", [
+    ({"prompt_string": "<__media__> and <__media__>", "multimodal_data": ["AAAA"]}, {}, "2 media markers"),
+    ({"prompt_string": "no marker", "multimodal_data": ["AAAA"]}, {}, "0 media markers"),
+    ({"prompt_string": "<__media__>", "multimodal_data": ["!!!not base64!!!"]}, {}, "base64"),
+    ({"prompt_string": "<__media__>", "multimodal_data": [base64.b64encode(png_claiming(100_000, 100_000)).decode()]},
+     {}, "--limit-image-pixels"),
+    ({"prompt_string": "<__media__>" * 101, "multimodal_data": [raw_base64(picture(0, 4, 4))] * 101}, {},
+     "--limit-images"),
+    ({"prompt_string": "<__media__>", "multimodal_data": ["https://example.com/cat.png"]}, {}, "fetched only"),
+    ({"prompt_string": "<__media__>x", "multimodal_data": [raw_base64(picture(0))]}, {"suffix": "y"}, "suffix"),
+    ({"prompt_string": "<__media__>x", "multimodal_data": [raw_base64(picture(0))]}, {"echo": True}, "echo"),
+    ({"prompt_string": "<__media__>", "multimodal_data": "AAAA"}, {}, "multimodal_data"),
+])
+def test_hostile_completions_multimodal_data_are_400s(server, prompt, extra, named):
+    response = complete(server, prompt, **extra)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and named in error["message"], error
+
+
 def test_a_model_without_a_projector_refuses_images_and_notes_a_tools(tmp_path):
     """A user's image to a text model is a 400 that says how to serve a projector; an image a
     tool returned (an agent's screenshot) is a note, so the agent's turn goes on."""
     with run_server("--slots", "1", "--ctx-size", "512", log_dir=tmp_path) as text_model:
         model = httpx.get(f"{text_model.base_url}/models", timeout=30).json()["data"][0]["id"]
         refused = ask(text_model, PNG_0, model=model)
+        assert refused.status_code == 400 and "--mmproj" in refused.json()["error"]["message"]
+        refused = complete(text_model, {"prompt_string": "<__media__>", "multimodal_data": [PNG_0]}, model=model)
         assert refused.status_code == 400 and "--mmproj" in refused.json()["error"]["message"]
         noted = httpx.post(f"{text_model.base_url}/chat/completions", json={"model": model, "max_tokens": 2, "messages": [
             {"role": "user", "content": "Look at the screenshot."},

@@ -109,7 +109,10 @@ def validation_message(exc: RequestValidationError) -> str:
         return "invalid request"
     field = _field_path(tuple(errors[0].get("loc", ())))
     same_field = [e for e in errors if _field_path(tuple(e.get("loc", ()))).startswith(field)]
-    error = next((e for e in same_field if e.get("type") not in _TYPE_MISMATCH), errors[0])
+    # A value of the wrong type everywhere (each branch of a union refusing it): the error
+    # deepest inside names what was meant (a prompt object's `multimodal_data`, not "a string").
+    error = next((e for e in same_field if e.get("type") not in _TYPE_MISMATCH),
+                 max(same_field, key=lambda e: len(_field_path(tuple(e.get("loc", ())))), default=errors[0]))
     kind = error.get("type", "")
     field = _field_path(tuple(error.get("loc", ())))
     if kind == "json_invalid":

@@ -322,9 +322,17 @@ class ChatCompletionChunk(ResponseModel):
 
 # ------------------------------------------------------------------------ completions
 
+class MediaPrompt(RequestModel):
+    """llama-server's prompt with media: its text, with a media marker (`<__media__>`, mtmd's)
+    where each of `multimodal_data` (base64 images, in order) stands."""
+
+    prompt_string: str
+    multimodal_data: list[str] = []
+
+
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: str | list[str]
+    prompt: str | MediaPrompt | list[str | MediaPrompt]
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1, le=16384)] = 16
@@ -343,7 +351,7 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="after")
     @classmethod
-    def _not_empty_list(cls, prompt: str | list[str]) -> str | list[str]:
+    def _not_empty_list(cls, prompt: str | MediaPrompt | list[str | MediaPrompt]) -> str | MediaPrompt | list[str | MediaPrompt]:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be an empty list")
         return prompt

@@ -1,7 +1,8 @@
 """POST /v1/completions: raw text continuation. Each prompt of the list is its own engine
 request with n choices (or best_of, of which the n with the best mean token logprob are
 returned); `echo` puts the prompt in front of each answer (with its logprobs when asked), and
-`suffix` fills in the middle with the model's FIM tokens."""
+`suffix` fills in the middle with the model's FIM tokens. A prompt may be llama-server's object
+`{"prompt_string": ..., "multimodal_data": [base64, ...]}`: images where its media markers stand."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ import asyncio
 from typing import AsyncIterator
 
 from fastrun_cpp.engine import GenerationOutput, GenerationRequest
+from fastrun_cpp.engine.request import MediaSpan
 from fastrun_cpp.entrypoints.openai.errors import APIError, bad_request
 from fastrun_cpp.entrypoints.openai.logprobs import CompletionLogprobsBuilder
 from fastrun_cpp.entrypoints.openai.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    MediaPrompt,
     random_id,
     unix_time,
 )
 from fastrun_cpp.entrypoints.openai.serving_engine import (
     ChoiceCollector,
+    ImagePrompt,
     OpenAIServing,
     openai_finish_reason,
     stop_sequences,
@@ -30,33 +34,43 @@ from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
 from fastrun_cpp.entrypoints.openai.utils import JSONPieces, answer_pieces, merge_async_iterators
 from fastrun_cpp.runtime import EngineStream
 
+# llama-server's media marker (mtmd_default_marker()): where each of a prompt's multimodal_data goes.
+MEDIA_MARKER = "<__media__>"
+
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> JSONPieces | AsyncIterator[str]:
         served = await self.served_model(request.model, request.keep_alive)
-        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        given = request.prompt if isinstance(request.prompt, list) else [request.prompt]
+        # The text each prompt echoes: a prompt with media echoes its text, markers and all.
+        prompts = [prompt.prompt_string if isinstance(prompt, MediaPrompt) else prompt for prompt in given]
         completion_id = random_id("cmpl")
         sampling = self.sampling_params(request, served)
         n = request.n or 1
         best_of = request.best_of or n
         # best_of ranks answers by their mean token logprob: the engine computes them.
         logprobs = request.logprobs if request.logprobs is not None else (0 if best_of > n else None)
-        generations = [
-            GenerationRequest(
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        generations = []
+        for index, prompt in enumerate(given):
+            prompt_tokens, media = await self._prompt_tokens(served, prompt, request.suffix)
+            if media and prompt_logprobs is not None:
+                raise bad_request("echo with logprobs cannot score a prompt with multimodal_data (its images are "
+                                  "no tokens)")
+            generations.append(GenerationRequest(
                 request_id=f"{completion_id}-{index}",
-                prompt_tokens=await self._prompt_tokens(served, prompt, request.suffix),
+                prompt_tokens=prompt_tokens,
                 sampling=sampling,
                 max_tokens=request.max_tokens,
                 stop=stop_sequences(request.stop, served),
                 logprobs=logprobs,
                 n=best_of,
-                prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs,
                 speculative=request.speculative is not False,
                 priority=request.priority or 0,
                 adapters=self.adapters_for(served, request.model, request.lora),
-            )
-            for index, prompt in enumerate(prompts)
-        ]
+                media=media,
+            ))
         streams: list[EngineStream] = []
         try:
             for generation in generations:
@@ -71,7 +85,35 @@ class OpenAIServingCompletion(OpenAIServing):
         return answer_pieces(await self._complete(served, request, completion_id, prompts, generations, streams),
                              "choices")
 
-    async def _prompt_tokens(self, served: ServedModel, prompt: str, suffix: str | None) -> list[int]:
+    async def _prompt_tokens(self, served: ServedModel, prompt: str | MediaPrompt,
+                             suffix: str | None) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        """A prompt's tokens, and its images' places (llama-server's prompt object with
+        multimodal_data)."""
+        if isinstance(prompt, MediaPrompt):
+            if suffix is not None:
+                raise bad_request("suffix cannot be given with a prompt of multimodal_data")
+            prepared = await self.in_prompt_pool(self._media_prompt, served, prompt)
+            return await self.with_images(served, prepared)
+        return await self._text_tokens(served, prompt, suffix), ()
+
+    def _media_prompt(self, served: ServedModel, prompt: MediaPrompt) -> list[int] | ImagePrompt:
+        """llama-server's prompt object, in the prompt pool: its text's tokens around the media
+        markers, and each of multimodal_data read and checked as an image, in order."""
+        pieces = prompt.prompt_string.split(MEDIA_MARKER)
+        if len(pieces) - 1 != len(prompt.multimodal_data):
+            raise bad_request(f"prompt_string has {len(pieces) - 1} media markers ({MEDIA_MARKER}) for "
+                              f"{len(prompt.multimodal_data)} multimodal_data entries: one marker for each, in order")
+        self.check_prompt_text(served, prompt.prompt_string)
+        images = self.prompt_images(served)  # a 400 for a model without a projector, or too many images
+        text = pieces[0] + "".join(images(data) + piece for data, piece in zip(prompt.multimodal_data, pieces[1:]))
+        tokenizer = served.runtime.tokenizer
+        if not images.urls:
+            tokens = tokenizer.tokenize_prompt(text)
+            self.check_prompt_tokens(served, tokens)
+            return tokens
+        return self.image_prompt(served, text, images, lambda piece, first: tokenizer.tokenize_prompt(piece, first=first))
+
+    async def _text_tokens(self, served: ServedModel, prompt: str, suffix: str | None) -> list[int]:
         if suffix is None:
             return await self.tokenize(served, prompt)
         tokenizer = served.runtime.tokenizer
