@@ -258,8 +258,12 @@ def test_completions_take_images_as_llama_server_does(server):
     ({"prompt_string": "<__media__>x", "multimodal_data": [raw_base64(picture(0))]}, {"suffix": "y"}, "suffix"),
     ({"prompt_string": "<__media__>x", "multimodal_data": [raw_base64(picture(0))]}, {"echo": True}, "echo"),
     ({"prompt_string": "<__media__>", "multimodal_data": "AAAA"}, {}, "multimodal_data"),
+    ("two prompts", {}, "--limit-images"),
 ])
 def test_hostile_completions_multimodal_data_are_400s(server, prompt, extra, named):
+    if prompt == "two prompts":  # the request's images are counted across its prompts
+        half = {"prompt_string": "<__media__>" * 51, "multimodal_data": [raw_base64(picture(0, 4, 4))] * 51}
+        prompt = [half, half]
     response = complete(server, prompt, **extra)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -28,6 +28,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     openai_finish_reason,
     stop_sequences,
     stream_error_event,
+    too_many_images,
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
@@ -51,12 +52,14 @@ class OpenAIServingCompletion(OpenAIServing):
         # best_of ranks answers by their mean token logprob: the engine computes them.
         logprobs = request.logprobs if request.logprobs is not None else (0 if best_of > n else None)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        images = sum(len(prompt.multimodal_data) for prompt in given if isinstance(prompt, MediaPrompt))
+        if images > self.limits.images:  # the request's images, all its prompts together
+            raise too_many_images(self.limits)
+        if images and prompt_logprobs is not None:
+            raise bad_request("echo with logprobs cannot score a prompt with multimodal_data (its images are no tokens)")
         generations = []
         for index, prompt in enumerate(given):
             prompt_tokens, media = await self._prompt_tokens(served, prompt, request.suffix)
-            if media and prompt_logprobs is not None:
-                raise bad_request("echo with logprobs cannot score a prompt with multimodal_data (its images are "
-                                  "no tokens)")
             generations.append(GenerationRequest(
                 request_id=f"{completion_id}-{index}",
                 prompt_tokens=prompt_tokens,
