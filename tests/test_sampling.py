@@ -188,6 +188,51 @@ def test_the_draw_is_llama_cpps_dist_sampler(size):
         assert len(set(ours)) > 1  # the draws did spread
 
 
+@pytest.mark.parametrize("size", [1500, 49152, 151936, 262144])
+def test_slots_drawn_together_draw_what_each_draws_alone(size):
+    """Dist.pick_rows (a step's plain draws in one pass) against Dist.pick, row by row: each
+    slot's own seed and temperature, logits near and far apart, masked tokens, a row with no
+    possible token; the same index for every row, draw after draw."""
+    import numpy as np
+
+    from fastrun_cpp.engine.sampling import DRAW_BLOCK, Dist
+
+    rng = np.random.default_rng(size)
+    rows = 16 if size < 200_000 else 5
+    seeds = [int(seed) for seed in rng.integers(0, 2**32 - 1, size=rows)]
+    temperatures = rng.uniform(0.1, 2.0, size=rows)
+    together, alone = [Dist(seed) for seed in seeds], [Dist(seed) for seed in seeds]
+    padded = -(-size // DRAW_BLOCK) * DRAW_BLOCK
+    scratch_rows, scratch_one = np.empty(rows * padded, dtype=np.float32), np.empty(padded, dtype=np.float32)
+    spread = set()
+    for step in range(6 if size > 100_000 else 25):
+        logits = (rng.standard_normal((rows, size)) * rng.uniform(0.05, 8, size=(rows, 1))).astype(np.float32)
+        logits[rng.integers(rows, size=size), rng.integers(size, size=size)] = -np.inf
+        if step == 3:
+            logits[1] = -np.inf  # nothing to draw in this row
+        drawn = Dist.pick_rows(together, logits, temperatures, scratch_rows)
+        expected = [dist.pick(logits[row], scratch_one, float(np.float32(temperatures[row])))
+                    for row, dist in enumerate(alone)]
+        assert drawn == expected
+        spread.update(index for index in drawn if index is not None)
+    assert len(spread) > rows  # the draws did spread
+
+
+def test_seeded_slots_drawn_in_one_step_answer_as_alone(client, model):
+    """Sixteen seeded answers at temperature 1 (OpenAI's defaults: a plain draw) sent together,
+    so that their draws share steps, each equal to the same request sent alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(seed: int) -> str:
+        return client.chat.completions.create(model=model, messages=STORY, max_tokens=24, seed=seed,
+                                              temperature=1).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(ask, range(300, 316)))
+    assert [ask(seed) for seed in (300, 307, 315)] == [together[0], together[7], together[15]]
+    assert len(set(together)) > 8
+
+
 @pytest.mark.parametrize("size", [49152, 151936, 262144, 151665])
 def test_the_top_k_shortcut_hands_llama_cpps_chain_what_the_whole_vocabulary_would(size):
     """Candidates.fill_top gives llama.cpp's chain only the tokens that can be among the k

@@ -26,7 +26,7 @@ from fastrun_cpp.engine.grammar import CompiledGrammar, LazyGrammar, vocabulary_
 from fastrun_cpp.engine.logprobs import TokenLogprob, token_logprob
 from fastrun_cpp.engine.model import LlamaModel
 from fastrun_cpp.engine.request import NO_TOKEN, GenerationRequest
-from fastrun_cpp.engine.sampling import Candidates, SamplerChain
+from fastrun_cpp.engine.sampling import DRAW_BLOCK, Candidates, Dist, SamplerChain
 from fastrun_cpp.engine.scheduler import Picked, StepPlan, StepResult
 from fastrun_cpp.engine.slot import RunningChoice
 from fastrun_cpp.engine.speculative import Drafter, DraftTurn, StepCosts, worth_verifying
@@ -59,6 +59,7 @@ class StepRunner:
         self._drafter = drafter
         self._candidates = Candidates(model.n_vocab)
         self._eog = sorted(model.eog_token_ids)
+        self._draw_scratch = np.empty(0, dtype=np.float32)  # Dist.pick_rows's, grown to the slots drawing
         self._masks_ahead = MasksAhead(workers=2)
         self._mask_seconds: dict[int, float] = {}  # by sequence: CPU of the mask computed ahead for this step
         self._grammar_step_ms = grammar_step_ms * vocabulary_scale(model.n_vocab)
@@ -154,9 +155,10 @@ class StepRunner:
             if chunk.scored:
                 result.prompt_logprobs[chunk.seq_id] = self._score_prompt(chunk.choice, chunk.position,
                                                                           chunk_starts[chunk.seq_id], len(chunk.tokens))
+        drawn = self._draw_together(plan, logits_rows, drafts)
         for decode in plan.decodes:
             result.picked[decode.seq_id] = self._pick(decode.seq_id, decode.choice, logits_rows[decode.seq_id],
-                                                      drafts.get(decode.seq_id, []))
+                                                      drafts.get(decode.seq_id, []), drawn.get(decode.seq_id))
         for chunk in plan.chunks:
             if chunk.ends_prompt:
                 rows = logits_rows[chunk.seq_id]
@@ -232,10 +234,41 @@ class StepRunner:
         held_back = {seq: draft for seq, draft in drafts.items() if seq not in kept}
         return {seq: drafts[seq][:length] for seq, length in kept.items()}, list(drafts), held_back
 
-    def _pick(self, seq_id: int, choice: RunningChoice, rows: list[int], draft: list[int]) -> Picked:
+    def _draw_together(self, plan: StepPlan, logits_rows: dict[int, list[int]],
+                       drafts: dict[int, list[int]]) -> dict[int, int]:
+        """The tokens of the decoding slots whose pick is a plain draw (temperature alone, one
+        row, nothing forced), drawn in one pass over their rows (Dist.pick_rows): by sequence.
+        The same tokens as one draw each; none where fewer than two slots draw, or where
+        their rows do not lie one after another in llama.cpp's logits."""
+        n_vocab = self._model.n_vocab
+        drawing = [decode for decode in plan.decodes
+                   if decode.seq_id not in drafts and decode.choice.reasoning is None
+                   and decode.choice.sampler.draws_from_temperature_alone]
+        if len(drawing) < 2 or n_vocab <= DRAW_BLOCK:
+            return {}
+        for decode in drawing:
+            if not decode.choice.sampler.params.may_end(decode.choice.n_generated):
+                self._ban_end(logits_rows[decode.seq_id][0])
+        addresses = [ctypes.addressof(llama.llama_get_logits_ith(self._ctx, logits_rows[decode.seq_id][0]).contents)
+                     for decode in drawing]
+        row_bytes = n_vocab * ctypes.sizeof(ctypes.c_float)
+        if any(later - earlier != row_bytes for earlier, later in zip(addresses, addresses[1:])):
+            return {}
+        logits = np.frombuffer((ctypes.c_float * (n_vocab * len(drawing))).from_address(addresses[0]),
+                               dtype=np.float32).reshape(len(drawing), n_vocab)
+        samplers = [decode.choice.sampler for decode in drawing]
+        needed = len(drawing) * -(-n_vocab // DRAW_BLOCK) * DRAW_BLOCK
+        if self._draw_scratch.size < needed:
+            self._draw_scratch = np.empty(needed, dtype=np.float32)
+        picked = Dist.pick_rows([sampler.dist for sampler in samplers], logits,
+                                np.array([sampler.params.temperature for sampler in samplers]), self._draw_scratch)
+        return {decode.seq_id: NO_TOKEN if index is None else index for decode, index in zip(drawing, picked)}
+
+    def _pick(self, seq_id: int, choice: RunningChoice, rows: list[int], draft: list[int],
+              drawn: int | None = None) -> Picked:
         """Pick the choice's tokens from this step's logits: one, or - with drafts - one per
         position while the picks equal the drafted tokens (each drafted token accepted is one
-        decode step saved)."""
+        decode step saved). `drawn`: its token, drawn already with other slots' (_draw_together)."""
         emitted: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if choice.request.logprobs is not None else None
         sampler = choice.sampler
@@ -245,6 +278,8 @@ class StepRunner:
             if forced is not None:  # the reasoning budget is spent: the engine writes its closing
                 token = forced
                 sampler.accept_forced(token)
+            elif drawn is not None:
+                token = drawn
             else:
                 if not sampler.params.may_end(choice.n_generated + position):
                     self._ban_end(batch_index)
