@@ -137,8 +137,14 @@ def decode_body(_: int) -> dict:
 SAMPLED_CHAIN = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
+# --plain-draws: the sampled cells name no chain (OpenAI's defaults: a draw over the whole
+# vocabulary), the draws fastrun-cpp makes for many slots in one pass. llama-server still narrows
+# its draw by its own defaults then: for --base-ref runs, not for a ratio against it.
+sampled_chain = SAMPLED_CHAIN
+
+
 def sampled_body(index: int) -> dict:
-    return {**decode_body(index), "temperature": 0.7, "seed": 1000 + index, **SAMPLED_CHAIN}
+    return {**decode_body(index), "temperature": 0.7, "seed": 1000 + index, **sampled_chain}
 
 
 async def run_cell(base_url: str, group: str, cell: str) -> tuple[float, list[dict]]:
@@ -258,7 +264,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "matrix.json")
     parser.add_argument("--base-ref", help="fastrun-cpp at this commit too, side by side with this one")
     parser.add_argument("--no-llama-server", action="store_true", help="with --base-ref: leave llama-server out")
+    parser.add_argument("--plain-draws", action="store_true",
+                        help="sampled cells at temperature 0.7 alone (no top_k/top_p/min_p): for --base-ref runs")
     args = parser.parse_args()
+    if args.plain_draws:
+        global sampled_chain
+        sampled_chain = {}
     with tempfile.TemporaryDirectory() as scratch:
         if args.base_ref:
             subprocess.run(["git", "worktree", "add", "--detach", scratch, args.base_ref], check=True,
