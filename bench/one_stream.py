@@ -2,6 +2,7 @@
 answers alternating: the figure bench/matrix.py's c=1 cells cannot give on a shared machine.
 
     .venv/bin/python bench/one_stream.py [--models smollm2,gemma,tiny] [--rounds 12] [--sampled]
+    .venv/bin/python bench/one_stream.py --models random-3b --slots 4 --pairs "no speculation"
     .venv/bin/python bench/one_stream.py --models smollm2 --pairs flags --flags="--stream-interval-ms 20"
 
 Why side by side: a c=1 answer is one stream on 2 cores, and this machine's speed drifts by 10-20%
@@ -41,7 +42,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import matrix, speculative, structured  # noqa: E402
-from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, running  # noqa: E402
+from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, large_model, running  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 TOKENS = 128
@@ -81,19 +82,23 @@ def main() -> int:
                         help="which pairs: no speculation, speculation, flags")
     parser.add_argument("--flags", default="", help="fastrun-cpp flags the 'flags' pair tries")
     parser.add_argument("--threads", type=int, default=physical_cores())
+    parser.add_argument("--slots", type=int, default=matrix.SLOTS,
+                        help="per server (a 3B model's KV for 16 slots of 5120 tokens is 9.4 GB a server)")
     args = parser.parse_args()
     paths = structured.model_paths()
     paths["tiny"] = matrix.tiny_model(paths["smollm2"])
+    if matrix.LARGE in args.models.split(","):
+        paths[matrix.LARGE] = large_model(paths["smollm2"])
     servers = {
-        "fastrun-cpp no-spec": ServerSpec("fastrun-cpp", matrix.SLOTS, matrix.CTX, args.threads,
+        "fastrun-cpp no-spec": ServerSpec("fastrun-cpp", args.slots, matrix.CTX, args.threads,
                                           extra_args=("--spec-type", "none"), label="fastrun-cpp-no-spec"),
-        "llama-server": ServerSpec("llama-server", matrix.SLOTS, matrix.CTX, args.threads),
-        "fastrun-cpp": ServerSpec("fastrun-cpp", matrix.SLOTS, matrix.CTX, args.threads),
-        "llama-server ngram-mod": ServerSpec("llama-server", matrix.SLOTS, matrix.CTX, args.threads, batch_size=2048,
+        "llama-server": ServerSpec("llama-server", args.slots, matrix.CTX, args.threads),
+        "fastrun-cpp": ServerSpec("fastrun-cpp", args.slots, matrix.CTX, args.threads),
+        "llama-server ngram-mod": ServerSpec("llama-server", args.slots, matrix.CTX, args.threads, batch_size=2048,
                                              extra_args=("--spec-type", "ngram-mod"), label="llama-server-ngram-mod"),
     }
     if args.flags:
-        servers["fastrun-cpp flags"] = ServerSpec("fastrun-cpp", matrix.SLOTS, matrix.CTX, args.threads,
+        servers["fastrun-cpp flags"] = ServerSpec("fastrun-cpp", args.slots, matrix.CTX, args.threads,
                                                   extra_args=("--spec-type", "none", *args.flags.split()),
                                                   label="fastrun-cpp-flags")
     pairs = {side: {**matrix.PAIRS, "flags": ("fastrun-cpp flags", "fastrun-cpp no-spec")}[side]
@@ -158,7 +163,7 @@ def main() -> int:
                      f"ms and host {split['host'] / generated * 1000:.3f} ms per token")
         tables.append((rows, where))
     print(f"\nbench/one_stream.py, {time.strftime('%Y-%m-%d %H:%M')}, commit {commit}, {platform.machine()}, "
-          f"{args.threads} threads, {args.rounds} rounds, servers side by side, answers alternating; ratio > 1: "
+          f"{args.threads} threads, {args.slots} slots x {matrix.CTX} tokens, {args.rounds} rounds, servers side by side, answers alternating; ratio > 1: "
           "fastrun-cpp ahead. Baseline: llama-server built with llama.cpp's default options.\n")
     print("| model | cell | speculation | fastrun-cpp tok/s | llama-server tok/s | median of the rounds' ratios "
           "| quartiles | rounds ahead |")
