@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server import DEFAULT_MODEL, RunningServer, run_server
+from tests.server import DEFAULT_MODEL, RunningServer, run_server, wait_until
 from tests.test_keys import create_key, keys_cli
 
 AGENTS = Path(sys.prefix) / "agents" / "node_modules" / ".bin"
@@ -206,7 +206,11 @@ def keyed(tmp_path_factory):
 def test_both_agents_are_served_and_their_next_turns_are_cache_hits(keyed):
     home, env, key = keyed
     with run_server(*server_args(home), log_dir=home, env=env) as server:
-        assert httpx.get(f"{server.base_url}/models").status_code == 401  # keys are on
+        refused = httpx.get(f"{server.base_url}/models")
+        assert refused.status_code == 401  # keys are on
+        # Its access line is written once the response is out: wait for it, so that it is not
+        # taken for one of the CLI's requests (seen on a busy machine).
+        assert wait_until(lambda: refused.headers["x-request-id"] in server.log(), 60)
         claude = ClaudeCode(home, server, key)
         _, claude_first = claude.turn("Reply with one word: hello.")
         _, claude_second = claude.turn("Now reply with one word: goodbye.", resume=True)
