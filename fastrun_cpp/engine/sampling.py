@@ -124,17 +124,7 @@ class Dist:
             return self._possible(head, index)
         probs[size:] = 0.0
         running = np.cumsum(np.add.reduce(probs.reshape(-1, DRAW_BLOCK), axis=1, dtype=np.float64))
-        total = float(running[-1])
-        if not (math.isfinite(total) and total > 0.0):
-            return None
-        target = total * draw
-        block = min(int(np.searchsorted(running, target)), len(running) - 1)
-        start = block * DRAW_BLOCK
-        within = np.cumsum(probs[start:start + DRAW_BLOCK], dtype=np.float64)
-        if block:
-            within += running[block - 1]
-        index = start + min(int(np.searchsorted(within, target)), DRAW_BLOCK - 1)
-        return self._possible(head, index)
+        return self._drawn(probs, running, size, draw)
 
     @staticmethod
     def pick_rows(dists: list[Dist], logits: np.ndarray, temperatures: np.ndarray,
@@ -155,20 +145,23 @@ class Dist:
         np.exp(head, out=head)
         probs[:, size:] = 0.0
         running = np.cumsum(np.add.reduce(probs.reshape(rows, -1, DRAW_BLOCK), axis=2, dtype=np.float64), axis=1)
-        picked: list[int | None] = []
-        for row, draw in enumerate(draws):
-            total = float(running[row, -1])
-            if not (math.isfinite(total) and total > 0.0):
-                picked.append(None)
-                continue
-            target = total * draw
-            block = min(int(np.searchsorted(running[row], target)), running.shape[1] - 1)
-            start = block * DRAW_BLOCK
-            within = np.cumsum(probs[row, start:start + DRAW_BLOCK], dtype=np.float64)
-            if block:
-                within += running[row, block - 1]
-            picked.append(Dist._possible(head[row], start + min(int(np.searchsorted(within, target)), DRAW_BLOCK - 1)))
-        return picked
+        return [Dist._drawn(probs[row], running[row], size, draw) for row, draw in enumerate(draws)]
+
+    @staticmethod
+    def _drawn(probs: np.ndarray, running: np.ndarray, size: int, draw: float) -> int | None:
+        """The index `draw` lands on among `size` probabilities (padded with zeros to whole
+        blocks), given the running sums of their DRAW_BLOCK blocks: the block first, then the
+        running sum within it; None when nothing can be drawn."""
+        total = float(running[-1])
+        if not (math.isfinite(total) and total > 0.0):
+            return None
+        target = total * draw
+        block = min(int(np.searchsorted(running, target)), len(running) - 1)
+        start = block * DRAW_BLOCK
+        within = np.cumsum(probs[start:start + DRAW_BLOCK], dtype=np.float64)
+        if block:
+            within += running[block - 1]
+        return Dist._possible(probs[:size], start + min(int(np.searchsorted(within, target)), DRAW_BLOCK - 1))
 
     @staticmethod
     def _possible(probs: np.ndarray, index: int) -> int:
