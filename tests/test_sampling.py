@@ -188,6 +188,8 @@ def test_the_draw_is_llama_cpps_dist_sampler(size):
         assert len(set(ours)) > 1  # the draws did spread
 
 
+# The row with nothing to draw (every logit -inf) subtracts -inf from -inf: NaN, then None, by design.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
 @pytest.mark.parametrize("size", [1500, 49152, 151936, 262144])
 def test_slots_drawn_together_draw_what_each_draws_alone(size):
     """Dist.pick_rows (a step's plain draws in one pass) against Dist.pick, row by row: each

@@ -229,7 +229,8 @@ def test_edit_and_resend_and_regenerate(tab, ui_server):
 def test_stop_ends_the_stream_and_frees_the_slot(tab, ui_server):
     page = tab.page
     choose(page, "babble")
-    set_sampling(page, max_tokens="7000")
+    # Greedy: a sampled answer of random weights ends at a random token now and then (this one runs on).
+    set_sampling(page, max_tokens="7000", temperature="0")
     send(page, "Go on for as long as you can.")
     assert wait_until(lambda: busy_slots(ui_server, "babble") == 1, timeout=120)
     page.wait_for_selector("#stop", state="visible")
@@ -447,8 +448,10 @@ def test_the_operator_view_shows_a_busy_slot_while_a_stream_runs(tab, ui_server)
     row.wait_for()
     page.wait_for_selector(".uplot", state="attached")
     assert page.locator(".uplot").count() == 3
-    # About 8,000 tokens: seconds of a busy slot, several of the page's reads (one each 2 s).
-    body = {"model": "babble", "max_tokens": 8000, "stream": True, "messages": [{"role": "user", "content": "Go on."}]}
+    # 8,000 tokens: seconds of a busy slot, several of the page's reads (one each 2 s). `ignore_eos`:
+    # the random model's sampled answers end at a random token now and then, one in CI within 2 s.
+    body = {"model": "babble", "max_tokens": 8000, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Go on."}]}
     with httpx.stream("POST", ui_server.base_url + "/chat/completions", json=body, timeout=300) as response:
         lines = response.iter_lines()
         next(lines)  # the stream has begun: the request holds a slot
@@ -462,7 +465,7 @@ def test_the_operator_view_shows_a_busy_slot_while_a_stream_runs(tab, ui_server)
     # A background response at work is listed with its status.
     with httpx.Client(base_url=ui_server.base_url, timeout=60) as http:
         response = http.post("/responses", json={"model": "babble", "input": "Go on.", "background": True,
-                                                 "max_output_tokens": 8000}).json()
+                                                 "max_output_tokens": 8000, "ignore_eos": True}).json()
         try:
             page.wait_for_selector(f'#server-background tbody tr:has(td:text-is("{response["id"]}"))')
         finally:
@@ -470,7 +473,7 @@ def test_the_operator_view_shows_a_busy_slot_while_a_stream_runs(tab, ui_server)
     page.wait_for_selector(f'#server-background tbody tr:has(td:text-is("{response["id"]}"))', state="detached",
                            timeout=120_000)
     # A batch at work is listed with its progress.
-    lines = jsonl([chat_line(f"line-{i}", "Go on.", max_tokens=7000, model="babble") for i in range(2)])
+    lines = jsonl([chat_line(f"line-{i}", "Go on.", max_tokens=7000, model="babble", ignore_eos=True) for i in range(2)])
     with httpx.Client(base_url=ui_server.base_url, timeout=60) as http:
         uploaded = http.post("/files", files={"file": ("lines.jsonl", lines)}, data={"purpose": "batch"}).json()
         batch = http.post("/batches", json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
