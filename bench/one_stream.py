@@ -3,6 +3,7 @@ answers alternating: the figure bench/matrix.py's c=1 cells cannot give on a sha
 
     .venv/bin/python bench/one_stream.py [--models smollm2,gemma,tiny] [--rounds 12] [--sampled]
     .venv/bin/python bench/one_stream.py --models random-3b --slots 4 --pairs "no speculation"
+    .venv/bin/python bench/one_stream.py --models random-3b --slots 8 --streams 8 --pairs "no speculation"
     .venv/bin/python bench/one_stream.py --models smollm2 --pairs flags --flags="--stream-interval-ms 20"
 
 Why side by side: a c=1 answer is one stream on 2 cores, and this machine's speed drifts by 10-20%
@@ -18,6 +19,10 @@ fastrun-cpp `--spec-type none` against plain llama-server, and fastrun-cpp's def
 drafts against llama-server `--spec-type ngram-mod`. With `--flags`, a third pair ("flags"):
 fastrun-cpp without drafts with those flags against fastrun-cpp without drafts, the before and
 after of a setting, measured the same way.
+
+With `--streams N`, each server's turn in a round is N answers at once (c=N, each to its own new
+prompt), and a rate is their tokens over the time the last one took: the matrix's c=N cell,
+measured side by side.
 
 Where the time goes: each server's CPU per generated token, thread by thread (from
 /proc/PID/task), and fastrun-cpp's own split of a step (llama_decode and host work, /metrics).
@@ -62,15 +67,21 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return used
 
 
-async def answer(base_url: str, number: int, sampled: bool) -> tuple[int, float]:
-    """One answer of TOKENS tokens to prompt `number`: (tokens, seconds)."""
+def answer_body(number: int, sampled: bool) -> dict:
+    """The request for prompt `number`: TOKENS tokens, all of them (`ignore_eos`)."""
     matrix.prompt_numbers = iter([number])  # the round's prompt, the same for every server
-    body = {**(matrix.sampled_body(number) if sampled else matrix.decode_body(number)),
+    return {**(matrix.sampled_body(number) if sampled else matrix.decode_body(number)),
             "max_tokens": TOKENS, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+
+
+async def answer(base_url: str, numbers: list[int], sampled: bool) -> tuple[int, float]:
+    """Answers of TOKENS tokens to prompts `numbers`, all at once: (tokens, seconds until the
+    last one ended)."""
+    bodies = [answer_body(number, sampled) for number in numbers]
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         started = time.perf_counter()
-        result = await speculative.answer(client, base_url, body)
-        return result["tokens"], time.perf_counter() - started
+        results = await asyncio.gather(*(speculative.answer(client, base_url, body) for body in bodies))
+        return sum(result["tokens"] for result in results), time.perf_counter() - started
 
 
 def main() -> int:
@@ -84,7 +95,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--slots", type=int, default=matrix.SLOTS,
                         help="per server (a 3B model's KV for 16 slots of 5120 tokens is 9.4 GB a server)")
+    parser.add_argument("--streams", type=int, default=1, help="answers at once in each server's turn (c=N)")
     args = parser.parse_args()
+    if not 1 <= args.streams <= args.slots:
+        parser.error("--streams must be between 1 and --slots")
     paths = structured.model_paths()
     paths["tiny"] = matrix.tiny_model(paths["smollm2"])
     if matrix.LARGE in args.models.split(","):
@@ -125,13 +139,14 @@ def main() -> int:
                                                                  str(matrix.TEMPLATES[model])))
                 up[name] = stack.enter_context(running(spec, paths[model], env=env))
             for name in names:  # a warm-up answer each, to a prompt no round asks
-                asyncio.run(answer(up[name].base_url, 1_000_000, args.sampled))
+                asyncio.run(answer(up[name].base_url, [1_000_000 + k for k in range(args.streams)], args.sampled))
             counters_before = {name: matrix.engine_counters(up[name].base_url) for name in names
                                if name.startswith("fastrun-cpp")}
             for round_index in range(args.rounds):
                 for name in names if round_index % 2 == 0 else reversed(names):
                     before = thread_cpu(up[name].pid)
-                    count, seconds = asyncio.run(answer(up[name].base_url, round_index, args.sampled))
+                    numbers = [round_index * args.streams + k for k in range(args.streams)]
+                    count, seconds = asyncio.run(answer(up[name].base_url, numbers, args.sampled))
                     after = thread_cpu(up[name].pid)
                     rates[name].append(count / seconds)
                     tokens[name] += count
@@ -149,7 +164,7 @@ def main() -> int:
             q1, _, q3 = statistics.quantiles(ratios, n=4)
             ahead = sum(ratio > 1 for ratio in ratios)
             label = f"{side}: {args.flags} against without" if side == "flags" else side
-            rows.append(f"| {model} | {'sampled' if args.sampled else 'greedy'} c=1 | {label} | "
+            rows.append(f"| {model} | {'sampled' if args.sampled else 'greedy'} c={args.streams} | {label} | "
                         f"{statistics.median(rates[ours]):.1f} | {statistics.median(rates[theirs]):.1f} | "
                         f"**{statistics.median(ratios):.3f}x** | {q1:.3f}-{q3:.3f} | {ahead}/{len(ratios)} |")
         where = []
