@@ -6,6 +6,11 @@ draft model, and can carry fill-in-the-middle tokens.
     python -m fastrun_cpp.tiny_model OUT.gguf [--like MODEL.gguf] [--fim] [--shape smollm2-135m --f16]
     python -m fastrun_cpp.tiny_model OUT.gguf --reranker [--like MODEL.gguf]
     python -m fastrun_cpp.tiny_model OUT.gguf --lora-for BASE.gguf [--seed N]
+    python -m fastrun_cpp.tiny_model OUT.gguf --qwen2vl [--like MODEL.gguf]
+
+With --qwen2vl it writes the same decoder as Qwen2-VL's text model (llama.cpp's "qwen2vl"
+architecture): multi-axis rotary positions (M-RoPE), so that an image's rows take a grid of
+positions instead of one each. `tiny_projector --type qwen2vl` makes its vision projector.
 
 With --reranker it writes a Qwen3-Reranker of the same tiny shape instead: Qwen3's
 architecture, rank pooling over the last token, a two-label ("yes", "no") classifier head
@@ -31,6 +36,8 @@ SMOLLM2_135M = {"block_count": 30, "embedding_length": 576, "feed_forward_length
 LLAMA32_3B = {"block_count": 28, "embedding_length": 3072, "feed_forward_length": 8192, "head_count": 24,
               "head_count_kv": 8, "context_length": 8192}
 SHAPES = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M, "llama-3.2-3b": LLAMA32_3B}
+# The decoders tiny_model writes, by llama.cpp architecture name.
+ARCHITECTURES = ("llama", "qwen2vl")
 
 
 def _copy_tokenizer(reader, writer, *, templates: bool = True) -> int:
@@ -50,9 +57,11 @@ def _copy_tokenizer(reader, writer, *, templates: bool = True) -> int:
     return n_vocab
 
 
-def _write_blocks(writer, weights, shape: dict, *, head_width: int, qk_norm: bool = False) -> None:
+def _write_blocks(writer, weights, shape: dict, *, head_width: int, qk_norm: bool = False,
+                  qkv_bias: bool = False) -> None:
     """A llama-style decoder's blocks: attention (with Qwen3's per-head q/k norms when
-    `qk_norm`) and a gated feed-forward, norms at one, matrices from `weights(*dims)`."""
+    `qk_norm`, Qwen2's q/k/v biases when `qkv_bias`) and a gated feed-forward, norms at one,
+    matrices from `weights(*dims)`."""
     width, ff = shape["embedding_length"], shape["feed_forward_length"]
     kv_width = head_width * shape["head_count_kv"]
     for layer in range(shape["block_count"]):
@@ -60,6 +69,8 @@ def _write_blocks(writer, weights, shape: dict, *, head_width: int, qk_norm: boo
         writer.add_tensor(prefix + "attn_norm.weight", np.ones(width, dtype=np.float32))
         for name, rows in (("attn_q", width), ("attn_k", kv_width), ("attn_v", kv_width), ("attn_output", width)):
             writer.add_tensor(prefix + name + ".weight", weights(rows, width))
+            if qkv_bias and name != "attn_output":
+                writer.add_tensor(prefix + name + ".bias", weights(rows).astype(np.float32))
         if qk_norm:
             writer.add_tensor(prefix + "attn_q_norm.weight", np.ones(head_width, dtype=np.float32))
             writer.add_tensor(prefix + "attn_k_norm.weight", np.ones(head_width, dtype=np.float32))
@@ -76,16 +87,26 @@ def _finish(writer) -> None:
     writer.close()
 
 
+def mrope_sections(head_width: int) -> list[int]:
+    """How a head's rotary pairs split between the time, height and width axes (and a fourth,
+    unused), as Qwen2-VL splits its 64 pairs: 16, 24, 24, 0."""
+    pairs = head_width // 2
+    height = width = pairs * 3 // 8
+    return [pairs - height - width, height, width, 0]
+
+
 def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0, shape: dict = TINY,
-                     dtype: type = np.float32) -> Path:
+                     dtype: type = np.float32, architecture: str = "llama") -> Path:
     """Write the tiny model (or another `shape` of SHAPES, its matrices in `dtype`) to `out`,
     with the tokenizer and template of the GGUF `like` (a llama-architecture model). With `fim`,
     three of its control tokens are declared its fill-in-the-middle prefix, suffix and middle
-    tokens."""
+    tokens. `architecture` "qwen2vl" gives Qwen2-VL's text decoder (M-RoPE, attention biases)."""
     import gguf
 
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}")
     reader = gguf.GGUFReader(str(like))
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), architecture)
     writer.add_name("fastrun tiny random model")
     writer.add_block_count(shape["block_count"])
     writer.add_context_length(shape["context_length"])
@@ -93,7 +114,10 @@ def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0,
     writer.add_feed_forward_length(shape["feed_forward_length"])
     writer.add_head_count(shape["head_count"])
     writer.add_head_count_kv(shape["head_count_kv"])
-    writer.add_rope_dimension_count(shape["embedding_length"] // shape["head_count"])
+    head_width = shape["embedding_length"] // shape["head_count"]
+    writer.add_rope_dimension_count(head_width)
+    if architecture == "qwen2vl":
+        writer.add_rope_dimension_sections(mrope_sections(head_width))
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16)
     n_vocab = _copy_tokenizer(reader, writer)
@@ -110,7 +134,7 @@ def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0,
 
     writer.add_tensor("token_embd.weight", weights(n_vocab, width))
     writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
-    _write_blocks(writer, weights, shape, head_width=width // shape["head_count"])
+    _write_blocks(writer, weights, shape, head_width=head_width, qkv_bias=architecture == "qwen2vl")
     _finish(writer)
     return out
 
@@ -202,6 +226,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--f16", action="store_true", help="matrices in f16 (default f32)")
     parser.add_argument("--reranker", action="store_true", help="write a Qwen3-Reranker (rank pooling) instead")
+    parser.add_argument("--qwen2vl", action="store_true", help="Qwen2-VL's text decoder (M-RoPE), for a "
+                                                               "tiny_projector --type qwen2vl")
     parser.add_argument("--lora-for", type=Path, metavar="BASE", help="write a random LoRA adapter for BASE instead")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -212,7 +238,8 @@ def main() -> None:
         print(write_tiny_reranker(args.out, args.like or embedded_model_path(), shape=SHAPES[args.shape]))
         return
     print(write_tiny_model(args.out, args.like or embedded_model_path(), fim=args.fim, shape=SHAPES[args.shape],
-                           dtype=np.float16 if args.f16 else np.float32))
+                           dtype=np.float16 if args.f16 else np.float32,
+                           architecture="qwen2vl" if args.qwen2vl else "llama"))
 
 
 if __name__ == "__main__":

@@ -706,3 +706,55 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on():
     assert all(slot.is_free and slot.cache_tokens == [] for slot in sched._slots)
     sched.finished(["a", "b"])
     assert sched.load() == (0, 0)
+
+
+def mrope_request(prompt_length: int = 20) -> GenerationRequest:
+    """Two M-RoPE images in a prompt: 8 tokens taking 3 positions from token 2, 6 taking 2 from
+    token 12 (what Qwen2-VL's grids of 4 x 2 and 3 x 2 merged patches take)."""
+    from fastrun_cpp.engine.request import MediaSpan
+
+    spans = (MediaSpan(2, 8, b"", False, b"x", b"x", advance=3), MediaSpan(12, 6, b"", False, b"x", b"x", advance=2))
+    return GenerationRequest("r", list(range(prompt_length)), media=spans)
+
+
+def test_tokens_after_an_mrope_image_sit_below_their_index_by_what_it_saved():
+    request = mrope_request()
+    assert [request.position_of(i) for i in (0, 2, 10, 11, 12, 18, 19, 25)] == [0, 2, 5, 6, 7, 9, 10, 16]
+    plain = GenerationRequest("p", list(range(20)))
+    assert [plain.position_of(i) for i in (0, 7, 30)] == [0, 7, 30]
+
+
+def test_a_causal_image_goes_a_chunk_at_a_time_and_one_attending_both_ways_whole():
+    from fastrun_cpp.engine.request import MediaSpan
+
+    request = mrope_request()  # causal images at 2..10 and 12..18
+    # Text stops where an image starts; a chunk in an image stays in it, within the rows left.
+    assert [request.chunk_length(cursor, rows) for cursor, rows in ((0, 100), (2, 5), (7, 100), (10, 100))] \
+        == [2, 5, 3, 2]
+    assert request.media_at(7) is request.media[0] and request.media_at(10) is None
+    both_ways = GenerationRequest("g", list(range(20)), media=(MediaSpan(2, 8, b"", True),))
+    assert both_ways.chunk_length(2, 3) == 8
+
+
+def test_a_reused_prefix_after_an_mrope_image_is_cut_at_its_position():
+    """The slot's KV is cut by llama.cpp position, which after an image is below the token's
+    index; the cut never falls inside an image."""
+    removed: list[int] = []
+
+    class RecordingMemory(FakeMemory):
+        def remove(self, seq_id: int, start: int) -> bool:
+            removed.append(start)
+            return super().remove(seq_id, start)
+
+    request = mrope_request()
+    kv, memory, slots = manager(1, memory=RecordingMemory())
+    fill(kv, memory, slots[0], request.prompt_tokens[:11] + [99, 98])
+    removed.clear()
+    source, reused = kv.prepare(slots[0], request.prompt_tokens, "", 11, cut=request.reusable_prefix,
+                                position=request.position_of)
+    assert (source, reused, removed) == ("slot", 11, [request.position_of(11)]) and removed == [6]
+    fill(kv, memory, slots[0], request.prompt_tokens[:14] + [99])
+    removed.clear()
+    assert kv.prepare(slots[0], request.prompt_tokens, "", 14, cut=request.reusable_prefix,
+                      position=request.position_of) == ("slot", 12)  # cut back to where the image starts
+    assert removed == [7]

@@ -66,13 +66,19 @@ class TokenBatch:
         return self._batch
 
 
-def embeddings_batch(embeddings: np.ndarray, seq_id: int, start_pos: int) -> tuple[llama.llama_batch, list]:
-    """A llama_batch of input embeddings (one row a position, from `start_pos`, no logits) for
-    one sequence: an image's rows from the vision projector. Also returns the arrays it points
-    into, which must outlive the decode."""
+def embeddings_batch(embeddings: np.ndarray, seq_id: int, start_pos: int,
+                     rope_positions: np.ndarray | None = None) -> tuple[llama.llama_batch, list]:
+    """A llama_batch of input embeddings (no logits) for one sequence: an image's rows from the
+    vision projector, one position a row from `start_pos`, or for an M-RoPE model
+    `rope_positions` (int32, its four sections one after the other, as llama.cpp reads an
+    embeddings batch's positions). Also returns the arrays it points into, which must outlive
+    the decode."""
     count = len(embeddings)
     rows = np.ascontiguousarray(embeddings, dtype=np.float32)
-    positions = np.arange(start_pos, start_pos + count, dtype=np.int32)
+    if rope_positions is not None:
+        positions = np.ascontiguousarray(rope_positions, dtype=np.int32)
+    else:
+        positions = np.arange(start_pos, start_pos + count, dtype=np.int32)
     n_seq_ids = np.ones(count, dtype=np.int32)
     seq_ids = np.full(count, seq_id, dtype=np.int32)
     logits = np.zeros(count, dtype=np.int8)

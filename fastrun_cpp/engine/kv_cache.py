@@ -165,13 +165,16 @@ class KVCacheManager:
         return neighbours(slot.seq_id, busy), -slot.last_used
 
     def prepare(self, slot: Slot, prompt: list[int], namespace: str, held: int, *,
-                every_position: bool = False, cut: Callable[[int], int] | None = None) -> tuple[str, int]:
+                every_position: bool = False, cut: Callable[[int], int] | None = None,
+                position: Callable[[int], int] | None = None) -> tuple[str, int]:
         """Make the slot's sequence, which holds the first `held` tokens of `prompt` that
         `namespace` may reuse (from `choose`), hold the longest cached prefix of it there is
         (never the last prompt token: its logits are needed). Returns where it came from
         ("slot", "host", "disk" or "miss") and its length. With `every_position` (echo with
         logprobs) nothing is reused: every prompt position's logits are needed. `cut` shortens
-        a prefix to one the request can go on from (none ending inside an image)."""
+        a prefix to one the request can go on from (none ending inside an image); `position`
+        gives llama.cpp's position of a prompt token (GenerationRequest.position_of; its index
+        when not given)."""
         if every_position:
             self._save_if_unrelated(slot, held)
             self.clear(slot)
@@ -179,7 +182,7 @@ class KVCacheManager:
             return "miss", 0
         source, held = self._load_prefix(slot, prompt, namespace, held)
         usable = min(held, len(prompt) - 1)
-        reused = self._keep_prefix(slot, cut(usable) if cut is not None else usable)
+        reused = self._keep_prefix(slot, cut(usable) if cut is not None else usable, position)
         slot.namespace = namespace
         return (source if reused else "miss"), reused
 
@@ -221,14 +224,15 @@ class KVCacheManager:
             entry, in_host = self._host_prefix(prompt, namespace)
         return "slot", 0
 
-    def _keep_prefix(self, slot: Slot, reused: int) -> int:
+    def _keep_prefix(self, slot: Slot, reused: int, position: Callable[[int], int] | None) -> int:
         """Drop the slot's KV past its first `reused` tokens (a prefix of the prompt); return
         the length kept."""
+        at = position(reused) if position is not None else reused
         if reused > 0 and self._n_swa > 0:
             # A sliding-window cache may have dropped positions the reused prefix still needs.
-            if self._memory.first_position(slot.seq_id) > max(0, reused - self._n_swa):
-                reused = 0
-        self.truncate(slot, reused)
+            if self._memory.first_position(slot.seq_id) > max(0, at - self._n_swa):
+                reused = at = 0
+        self.truncate(slot, reused, at)
         return len(slot.cache_tokens)
 
     def _save_if_unrelated(self, slot: Slot, kept: int) -> None:
@@ -255,11 +259,13 @@ class KVCacheManager:
         """The tokens a step is about to decode into the slot's sequence."""
         slot.cache_tokens.extend(tokens)
 
-    def truncate(self, slot: Slot, keep: int) -> None:
-        """Keep the first `keep` tokens of the slot's sequence (all of it, if it cannot)."""
+    def truncate(self, slot: Slot, keep: int, position: int | None = None) -> None:
+        """Keep the first `keep` tokens of the slot's sequence (all of it, if it cannot).
+        `position` is llama.cpp's position of token `keep`, where images before it take fewer
+        positions than tokens (GenerationRequest.position_of): the KV is cut by position."""
         if keep >= len(slot.cache_tokens):
             return
-        if self._memory.remove(slot.seq_id, keep):
+        if self._memory.remove(slot.seq_id, keep if position is None else position):
             del slot.cache_tokens[keep:]
         else:
             self.clear(slot)

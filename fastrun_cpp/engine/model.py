@@ -73,6 +73,10 @@ class LlamaModel:
         self.n_embd: int = llama.llama_model_n_embd(self._model)
         # The width of its input embeddings (what a vision projector writes per image token).
         self.n_embd_inp: int = llama.llama_model_n_embd_inp(self._model)
+        # Rotary positions on several axes (Qwen2-VL's M-RoPE, Qwen3-VL's interleaved one): an
+        # embeddings batch then carries 4 positions a row (engine/batch.py embeddings_batch).
+        self.multi_axis_positions: bool = llama.llama_model_rope_type(self._model) in (
+            llama.LLAMA_ROPE_TYPE_MROPE, llama.LLAMA_ROPE_TYPE_IMROPE)
         self.add_bos: bool = bool(llama.llama_vocab_get_add_bos(self._vocab))
         self.bos_token_id: int = llama.llama_vocab_bos(self._vocab)
         self.eos_token_id: int = llama.llama_vocab_eos(self._vocab)

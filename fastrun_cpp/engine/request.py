@@ -74,10 +74,22 @@ class MediaSpan:
     length: int
     embeddings: bytes  # float32, length x the model's input width, row-major
     non_causal: bool  # its rows attend to each other both ways (Gemma 3's images)
+    # An M-RoPE model's image (Qwen2-VL's) takes a grid of positions, not one a row: its rows'
+    # positions, int32 in llama.cpp's four sections (time, height, width, unused), each section
+    # `length` long, for an image starting at position 0, and by how much each moves with where
+    # it starts (int32, the same shape). What follows it starts `advance` positions later.
+    # Empty, and 0: one position a row, as for every other model.
+    rope_positions: bytes = b""
+    rope_moves: bytes = b""
+    advance: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    @property
+    def positions_taken(self) -> int:
+        return self.advance or self.length
 
 
 def media_placeholders(digest: bytes, length: int) -> list[int]:
@@ -127,19 +139,33 @@ class GenerationRequest:
     # first token is read from the prompt's last logits, and an image's rows give none).
     media: tuple[MediaSpan, ...] = ()
 
-    def whole_media(self, cursor: int, length: int) -> int:
+    def chunk_length(self, cursor: int, length: int) -> int:
         """How many prompt tokens from `cursor` a chunk of at most `length` may take without
-        cutting an image: a chunk that starts at an image takes the whole image (it is decoded
-        in one pass), and one that starts before an image stops where the image starts."""
+        mixing text and an image's rows: a chunk in an image stays in it (one whose rows attend
+        both ways takes the whole image: it is decoded in one pass; a causal one, as Qwen-VL's
+        up to 4,096 rows, goes a chunk at a time as text does), and one before an image stops
+        where the image starts."""
         for span in self.media:
-            if span.start == cursor:
-                return span.length
+            if span.start <= cursor < span.end:
+                return span.length if span.non_causal else min(length, span.end - cursor)
             if cursor < span.start < cursor + length:
                 return span.start - cursor
         return length
 
     def media_at(self, cursor: int) -> MediaSpan | None:
-        return next((span for span in self.media if span.start == cursor), None)
+        """The image whose rows a chunk from `cursor` holds, if any."""
+        return next((span for span in self.media if span.start <= cursor < span.end), None)
+
+    def position_of(self, index: int) -> int:
+        """llama.cpp's position of the prompt or answer token at `index`: the index, less what
+        the images before it take in positions fewer than their tokens (an M-RoPE image takes
+        max(rows, columns))."""
+        position = index
+        for span in self.media:
+            if span.end > index:
+                break
+            position -= span.length - span.positions_taken
+        return position
 
     def reusable_prefix(self, length: int) -> int:
         """The longest prefix of at most `length` tokens that ends outside every image (a

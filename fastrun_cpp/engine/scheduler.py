@@ -95,7 +95,7 @@ class ScheduledChunk:
     position: int  # of its first token
     ends_prompt: bool  # its last logits give the answer's first token
     scored: bool  # logits of every position (echo with logprobs)
-    media: MediaSpan | None = None  # the chunk is this image, whole (its tokens are placeholders)
+    media: MediaSpan | None = None  # the chunk is rows of this image (its tokens are placeholders)
 
 
 @dataclass(frozen=True)
@@ -358,9 +358,9 @@ class Scheduler:
         for slot in prefilling:
             if free_rows == 0:
                 break
-            length = slot.request.whole_media(slot.choice.prompt_cursor, min(free_rows, slot.choice.prompt_left))
+            length = slot.request.chunk_length(slot.choice.prompt_cursor, min(free_rows, slot.choice.prompt_left))
             chunks.append((slot, length))
-            free_rows -= min(length, free_rows)  # an image is decoded whole, in a pass of its own
+            free_rows -= min(length, free_rows)  # an image's rows are decoded in a pass of their own
         return chunks
 
     # -------------------------------------------------- carrying it out, the engine's thread
@@ -404,7 +404,7 @@ class Scheduler:
         leader, held = self._kv.choose(free, prompt, namespace)
         source, reused = self._kv.prepare(leader, prompt, namespace, held,
                                           every_position=request.prompt_logprobs is not None,
-                                          cut=request.reusable_prefix)
+                                          cut=request.reusable_prefix, position=request.position_of)
         if admission.first_wave:  # later waves are the same request: counted once
             self._count(request, leader, source, reused)
         room = self._ctx_size - len(prompt)
@@ -584,7 +584,8 @@ class Scheduler:
             logger.warning("request %s: %s; ending it", choice.request.request_id, picked.error)
             output = choice.output(finish_reason=FinishReason.ERROR, rejected=True, error=picked.error)
             if picked.drafted:  # verified no further: their KV goes
-                self._kv.truncate(slot, len(slot.cache_tokens) - picked.drafted)
+                kept = len(slot.cache_tokens) - picked.drafted
+                self._kv.truncate(slot, kept, choice.request.position_of(kept))
             self._release(slot)
             return output
         accepted = picked.accepted
@@ -597,7 +598,8 @@ class Scheduler:
             self._acceptance.verified(picked.drafted, accepted)
             self._drafter.verified(slot.seq_id, picked.drafted, accepted)
             # Only the pending token and the accepted drafts are this sequence's now.
-            self._kv.truncate(slot, len(slot.cache_tokens) - picked.drafted + accepted)
+            kept = len(slot.cache_tokens) - picked.drafted + accepted
+            self._kv.truncate(slot, kept, choice.request.position_of(kept))
         output = self._outputs.accept(slot, picked.tokens, picked.logprobs, accepted_drafts=accepted)
         if choice.speculative and not output.finished:
             self._drafter.accept(slot.seq_id, output.token_ids)

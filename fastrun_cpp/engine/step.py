@@ -114,7 +114,7 @@ class StepRunner:
         shape: list[tuple[int, int]] = []  # (sequence, tokens) of the decoding slots, in batch order
         for decode in plan.decodes:
             tokens = [decode.pending, *drafts.get(decode.seq_id, ())]
-            last = batch.add(decode.seq_id, tokens, decode.position, logits=True)
+            last = batch.add(decode.seq_id, tokens, decode.choice.request.position_of(decode.position), logits=True)
             shape.append((decode.seq_id, len(tokens)))
             logits_rows[decode.seq_id] = list(range(last - len(tokens) + 1, last + 1))
         decode_rows = batch.size
@@ -123,8 +123,8 @@ class StepRunner:
         for chunk in plan.chunks:
             if chunk.media is not None:
                 continue  # decoded on its own, below
-            last = batch.add(chunk.seq_id, chunk.tokens, chunk.position, logits=chunk.scored,
-                             logits_last=chunk.ends_prompt)
+            last = batch.add(chunk.seq_id, chunk.tokens, chunk.choice.request.position_of(chunk.position),
+                             logits=chunk.scored, logits_last=chunk.ends_prompt)
             logits_rows[chunk.seq_id] = [last] if chunk.ends_prompt else []
             if chunk.scored:
                 chunk_starts[chunk.seq_id] = last - len(chunk.tokens) + 1
@@ -170,15 +170,22 @@ class StepRunner:
         return result
 
     def _decode_images(self, images: list) -> int:
-        """Decode each image chunk's rows into its sequence, the whole image in one call (an
-        image whose rows attend both ways must be in one pass: the context's micro-batch holds
-        it, checked when the request was made). Before the step's tokens, so that a sequence's
-        text after an image, in a later step, sees it."""
+        """Decode each image chunk's rows into its sequence, before the step's tokens, so that
+        a sequence's text after an image, in a later step, sees it. An image whose rows attend
+        both ways is one chunk (the context's micro-batch holds it, checked when the request was
+        made); a causal one's chunk is some of its rows, within the step's batch."""
         width = self._model.n_embd_inp
         for chunk in images:
-            span = chunk.media
-            rows = np.frombuffer(span.embeddings, dtype=np.float32).reshape(span.length, width)
-            batch, keep = embeddings_batch(rows, chunk.seq_id, chunk.position)
+            span, request = chunk.media, chunk.choice.request
+            first, last = chunk.position - span.start, chunk.position - span.start + len(chunk.tokens)
+            rows = np.frombuffer(span.embeddings, dtype=np.float32).reshape(span.length, width)[first:last]
+            image_start = request.position_of(span.start)
+            rope = None
+            if span.rope_positions:  # four sections of `length`, one after the other
+                rope = (np.frombuffer(span.rope_positions, dtype=np.int32)
+                        + image_start * np.frombuffer(span.rope_moves, dtype=np.int32))
+                rope = rope.reshape(4, span.length)[:, first:last].ravel()
+            batch, keep = embeddings_batch(rows, chunk.seq_id, image_start + first, rope)
             if span.non_causal:
                 llama.llama_set_causal_attn(self._ctx, False)
             try:

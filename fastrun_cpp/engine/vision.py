@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp.mtmd_cpp as mtmd
+import numpy as np
 
 from fastrun_cpp.engine.backend import route_logs
 from fastrun_cpp.engine.errors import ModelLoadError
@@ -36,6 +37,11 @@ class EncodedImage:
     after: list[int]  # and after it
     embeddings: bytes  # float32, length x the text model's input width
     non_causal: bool  # its rows attend to each other both ways
+    # M-RoPE only (else empty and 0): its rows' positions and how they move with where the
+    # image starts, and the positions it takes (as MediaSpan has them).
+    rope_positions: bytes = b""
+    rope_moves: bytes = b""
+    advance: int = 0
 
 
 class Projector:
@@ -54,10 +60,8 @@ class Projector:
         if not self._ctx:
             raise ModelLoadError(f"{self.path}: llama.cpp's mtmd could not load this projector for {model.path.name} "
                                  "(not an mmproj GGUF, or made for another model)")
-        if mtmd.mtmd_decode_use_mrope(self._ctx):
-            self.close()
-            raise ModelLoadError(f"{self.path}: projectors with M-RoPE positions (Qwen2-VL and its kind) are not "
-                                 "served yet")
+        # Qwen2-VL's kind: an image's rows take a grid of positions (engine/request.py MediaSpan).
+        self.mrope = bool(mtmd.mtmd_decode_use_mrope(self._ctx))
         self.vision = bool(mtmd.mtmd_support_vision(self._ctx))
         self._width = model.n_embd_inp
         self._lock = threading.Lock()  # mtmd's context is one thread's at a time
@@ -115,14 +119,29 @@ class Projector:
             if image is None:
                 raise ValueError("the projector gave no image tokens")
             length = mtmd.mtmd_input_chunk_get_n_tokens(image)
-            if mtmd.mtmd_input_chunk_get_n_pos(image) != length:
+            taken = mtmd.mtmd_input_chunk_get_n_pos(image)
+            if not self.mrope and taken != length:
                 raise ValueError("the projector's image positions are not one a token")
             if mtmd.mtmd_encode_chunk(self._ctx, image) != 0:
                 raise ValueError("the projector could not encode this image")
             rows = mtmd.mtmd_get_output_embd(self._ctx)
             embeddings = ctypes.string_at(rows, length * self._width * 4)
-            return EncodedImage(before, length, after, embeddings,
-                                bool(mtmd.mtmd_decode_use_non_causal(self._ctx, image)))
+            non_causal = bool(mtmd.mtmd_decode_use_non_causal(self._ctx, image))
+            if not self.mrope:
+                return EncodedImage(before, length, after, embeddings, non_causal)
+            at_0, at_1 = (self._rope_positions(image, length, start) for start in (0, 1))
+            return EncodedImage(before, length, after, embeddings, non_causal,
+                                at_0.tobytes(), (at_1 - at_0).tobytes(), taken)
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
+
+    @staticmethod
+    def _rope_positions(image, length: int, start: int) -> np.ndarray:
+        """An image chunk's M-RoPE positions when it starts at `start`: mtmd's own (its decoder
+        positions, in llama.cpp's section order: time, height, width, the fourth), as
+        mtmd_helper_decode_image_chunk lays them out for llama_decode."""
+        out = (mtmd.mtmd_decoder_pos * length)()
+        mtmd.mtmd_helper_image_get_decoder_pos(mtmd.mtmd_input_chunk_get_tokens_image(image), start, out)
+        grid = np.frombuffer(out, dtype=np.uint32).reshape(length, 4).astype(np.int32)
+        return np.ascontiguousarray(grid[:, [0, 2, 1, 3]].T)  # t, x, y, z -> t, y, x, z
