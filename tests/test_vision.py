@@ -150,6 +150,19 @@ def test_sdks_send_images_on_chat_messages_and_responses(server):
     for prompt_tokens in (chat.usage.prompt_tokens, responses.usage.input_tokens, messages.usage.input_tokens):
         assert prompt_tokens > IMAGE_TOKENS
 
+    # Codex's view_image: the tool's output is the picture, an input_image in the function_call_output.
+    def view_image(*output: dict) -> int:
+        return client.responses.create(model=MODEL, max_output_tokens=4, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Look at shot.png"}]},
+            {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": '{"path": "shot.png"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": list(output)}],
+            tools=[{"type": "function", "name": "view_image", "parameters": {
+                "type": "object", "properties": {"path": {"type": "string"}}}}]).usage.input_tokens
+
+    text = {"type": "input_text", "text": "shot.png:"}
+    assert (view_image(text, {"type": "input_image", "image_url": f"data:image/png;base64,{png}"})
+            - view_image(text) >= IMAGE_TOKENS)
+
 
 def png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height pixels, with a few bytes of data: a
@@ -319,17 +332,21 @@ def test_a_hub_model_comes_with_the_projector_its_repository_holds(gemma_path, p
 @pytest.mark.timeout(1800)
 def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, projector, tmp_path):
     """The CLIs from npm, headless, each sending a PNG its own way: Claude Code a user message
-    with an image block (its stream-json input, as its SDK sends one), Codex `exec -i`. Every
-    request they make is a 2xx, and the image reaches the model: the turn's prompt holds the
-    image's tokens beyond the same turn without it, and the conversation's next turn finds that
-    prompt, image and all, in the cache. docs/coding-agents.md's registry for a small model (a
-    32k context, answers that end at a line's end)."""
+    with an image block (its stream-json input, as its SDK sends one) and a PNG of its working
+    directory that the prompt mentions (`@shot.png`: Claude Code reads it with its Read tool and
+    sends the picture), Codex `exec -i`. Every request they make is a 2xx, and the image reaches
+    the model: the turn's prompt holds the image's tokens beyond the same turn without it (and,
+    logged with --log-prompts, mtmd's media marker after Claude Code's Read call), and the
+    conversation's next turn finds that prompt, image and all, in the cache.
+    docs/coding-agents.md's registry for a small model (a 32k context, answers that end at a
+    line's end)."""
     from tests.test_agent_clis import ClaudeCode, Codex, agent_registry, assert_reuses
 
     registry = tmp_path / "vision-agents.toml"
     registry.write_text(agent_registry(MODEL, f'path = "{gemma_path}"\nmmproj = "{projector}"'))
     png = encoded(picture(9, 320, 240))
-    with run_server("--models-file", str(registry), log_dir=tmp_path, startup_timeout=120) as server:
+    with run_server("--models-file", str(registry), "--log-prompts", log_dir=tmp_path,
+                    startup_timeout=120) as server:
         claude = ClaudeCode(tmp_path, server, "open-mode", model=MODEL)
         _, with_image = claude.turn("What is in this image? One word.", image=png)
         _, following = claude.turn("And its colour? One word.", resume=True)
@@ -337,6 +354,15 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
         _, without = claude.turn("What is in this image? One word.")
         assert (with_image.generations()[0]["prompt_tokens"] - without.generations()[0]["prompt_tokens"]
                 >= IMAGE_TOKENS), (with_image.requests, without.requests)
+
+        (claude.workdir / "shot.png").write_bytes(png)
+        logged = len(server.log())
+        _, read = claude.turn("What is in @shot.png ? One word.")
+        prompt = server.log()[logged:].split(" prompt: ", 1)[1].splitlines()[0]  # one line: logged as a repr
+        assert "Called the Read tool" in prompt and "shot.png" in prompt
+        assert "<__media__>" in prompt.split("Called the Read tool", 1)[1]
+        _, following = claude.turn("And its colour? One word.", resume=True)
+        assert_reuses(read, following)
 
         codex = Codex(tmp_path, server, "open-mode", model=MODEL)
         (codex.workdir / "shot.png").write_bytes(png)

@@ -155,6 +155,17 @@ def usage_of(outputs: list[GenerationOutput], *, reasoning_counted: bool = False
     )
 
 
+def logged_prompt(served: ServedModel, request: GenerationRequest) -> str:
+    """The prompt as --log-prompts writes it: its text, each image as mtmd's media marker (an
+    image's tokens are placeholders no vocabulary has)."""
+    detokenize, tokens = served.runtime.tokenizer.detokenize, request.prompt_tokens
+    pieces, cursor = [], 0
+    for span in request.media:
+        pieces += [detokenize(tokens[cursor:span.start]), "<__media__>"]
+        cursor = span.end
+    return "".join([*pieces, detokenize(tokens[cursor:])])
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -413,8 +424,7 @@ class OpenAIServing:
     async def submit(self, served: ServedModel, request: GenerationRequest, *, streaming: bool) -> EngineStream:
         """Queue a generation now, so a full server answers 429 before any response starts."""
         if self.log_prompts:
-            logger.info("request %s prompt: %r", request.request_id,
-                        served.runtime.tokenizer.detokenize(request.prompt_tokens))
+            logger.info("request %s prompt: %r", request.request_id, logged_prompt(served, request))
         record = current_record()
         if record is not None:  # a tenant reuses only its own (or its group's) cached prompts
             request.cache_namespace = record.cache_namespace
