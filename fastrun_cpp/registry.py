@@ -176,7 +176,7 @@ class ModelConfig(StrictModel):
         "images (capabilities vision)."))
     mmproj_auto: bool = Field(True, description=(
         "Pull and use the vision projector (mmproj*.gguf) a Hub model's repository holds, as llama-server's -hf "
-        "does (--no-mmproj-auto: serve the model for text only)."))
+        "does (--no-mmproj-auto, or llama-server's --no-mmproj: serve the model for text only)."))
     rerank: bool = Field(False, description="Serve /v1/rerank from this model: a reranker GGUF (rank pooling and "
                          "a classifier head, as Qwen3-Reranker or bge-reranker). On by itself for a GGUF that "
                          "declares rank pooling.")

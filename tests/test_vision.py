@@ -303,7 +303,7 @@ def test_a_model_without_a_projector_refuses_images_and_notes_a_tools(tmp_path):
 
 def test_a_hub_model_comes_with_the_projector_its_repository_holds(gemma_path, projector, tmp_path):
     """As llama-server's -hf: the repository's mmproj is pulled beside the model (the f16 one of
-    several), is not a model itself, and --no-mmproj-auto leaves it."""
+    several), is not a model itself, and --no-mmproj-auto (llama-server's --no-mmproj too) leaves it."""
     import os
 
     from fastrun_cpp.hub import choose_gguf, choose_projector
@@ -319,7 +319,7 @@ def test_a_hub_model_comes_with_the_projector_its_repository_holds(gemma_path, p
         hub.add(repo, files[2], projector)
         env = {k: "" for k in os.environ if k.startswith("HF_")}
         env.update({"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"})
-        for auto, sees in ((("--mmproj-auto",), True), (("--no-mmproj-auto",), False)):
+        for auto, sees in ((("--mmproj-auto",), True), (("--no-mmproj-auto",), False), (("--no-mmproj",), False)):
             with run_server("--model", repo, "--slots", "1", "--ctx-size", "512", *auto, log_dir=tmp_path, env=env,
                             startup_timeout=180) as served:
                 card = httpx.get(f"{served.base_url}/models", timeout=30).json()["data"][0]
