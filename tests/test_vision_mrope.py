@@ -187,6 +187,29 @@ def test_a_large_image_goes_in_chunks_and_answers_as_llama_cpp_does(server, refe
     assert_same_answer(served, reference.answer(PROMPT, large))
 
 
+def test_a_large_image_answers_alone_as_beside_another_stream(qwen2vl_pair, tmp_path):
+    """Beside a running stream, fewer rows of a step are left for the image, so its rows go in
+    other chunks than alone: the answer is the same."""
+    import concurrent.futures
+
+    text, projector = qwen2vl_pair
+    large = picture(33, 600, 420)
+    with run_server("--model", str(text), "--mmproj", str(projector), "--slots", "2", "--ctx-size", "2048",
+                    "--batch-size", "100", log_dir=tmp_path, startup_timeout=120) as running:
+        running.model = httpx.get(f"{running.base_url}/models", timeout=30).json()["data"][0]["id"]
+        alone = complete(running, PROMPT, large)
+        with httpx.Client(timeout=600) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with client.stream("POST", f"{running.base_url}/completions", json={
+                    "model": running.model, "prompt": "1, 2, 3,", "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data:"))  # the other stream is decoding
+                beside = pool.submit(complete, running, PROMPT, large).result()
+    assert beside["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"] > 2 * 100
+    assert beside["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert beside["choices"][0]["logprobs"]["top_logprobs"] == alone["choices"][0]["logprobs"]["top_logprobs"]
+
+
 @pytest.mark.parametrize("width, height", [(1, 1), (5000, 1), (1, 5000), (900, 900)])
 def test_images_of_any_shape_qwen_takes_are_answered(server, width, height):
     """Qwen's projector sizes an image by its own aspect, from its fewest tokens (a 1-pixel
