@@ -711,9 +711,10 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on():
 def mrope_request(prompt_length: int = 20) -> GenerationRequest:
     """Two M-RoPE images in a prompt: 8 tokens taking 3 positions from token 2, 6 taking 2 from
     token 12 (what Qwen2-VL's grids of 4 x 2 and 3 x 2 merged patches take)."""
-    from fastrun_cpp.engine.request import MediaSpan
+    from fastrun_cpp.engine.request import MediaSpan, RopeGrid
 
-    spans = (MediaSpan(2, 8, b"", False, b"x", b"x", advance=3), MediaSpan(12, 6, b"", False, b"x", b"x", advance=2))
+    spans = (MediaSpan(2, 8, b"", False, RopeGrid(b"x", b"x", advance=3)),
+             MediaSpan(12, 6, b"", False, RopeGrid(b"x", b"x", advance=2)))
     return GenerationRequest("r", list(range(prompt_length)), media=spans)
 
 

@@ -193,11 +193,12 @@ class Engine:
                 raise MediaSpanError("images must lie in order inside the prompt, before its last token")
             if len(span.embeddings) != span.length * width * 4:
                 raise MediaSpanError(f"an image of {span.length} tokens needs {span.length} rows of {width} floats")
-            if bool(span.rope_positions) != self.model.multi_axis_positions:
+            grid = span.grid
+            if (grid is not None) != self.model.multi_axis_positions:
                 raise MediaSpanError("an image needs M-RoPE positions exactly when the model rotates on several axes "
                                      "(a projector made for another model?)")
-            if span.rope_positions and not (len(span.rope_positions) == len(span.rope_moves) == span.length * 16
-                                            and 0 < span.advance <= span.length):
+            if grid is not None and not (len(grid.positions) == len(grid.moves) == span.length * 16
+                                         and 0 < grid.advance <= span.length):
                 raise MediaSpanError(f"an image of {span.length} tokens needs 4 M-RoPE positions a row and "
                                      "advances 1 to that many positions")
             if span.non_causal and span.length > n_ubatch:

@@ -65,6 +65,18 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class RopeGrid:
+    """Where an M-RoPE model's image (Qwen2-VL's) puts its rows: a grid of positions, not one a
+    row. What follows the image starts `advance` positions after it (max(rows, columns))."""
+
+    # int32, llama.cpp's four sections (time, height, width, unused), each one a row, for an
+    # image starting at position 0; and by how much each moves with where the image starts.
+    positions: bytes
+    moves: bytes
+    advance: int
+
+
+@dataclass(frozen=True)
 class MediaSpan:
     """An image's place in a prompt: `length` tokens from `start`, each a placeholder
     (media_placeholders) standing for one row of `embeddings`, which the engine decodes in
@@ -74,14 +86,7 @@ class MediaSpan:
     length: int
     embeddings: bytes  # float32, length x the model's input width, row-major
     non_causal: bool  # its rows attend to each other both ways (Gemma 3's images)
-    # An M-RoPE model's image (Qwen2-VL's) takes a grid of positions, not one a row: its rows'
-    # positions, int32 in llama.cpp's four sections (time, height, width, unused), each section
-    # `length` long, for an image starting at position 0, and by how much each moves with where
-    # it starts (int32, the same shape). What follows it starts `advance` positions later.
-    # Empty, and 0: one position a row, as for every other model.
-    rope_positions: bytes = b""
-    rope_moves: bytes = b""
-    advance: int = 0
+    grid: RopeGrid | None = None  # an M-RoPE model's image; None: one position a row
 
     @property
     def end(self) -> int:
@@ -89,7 +94,7 @@ class MediaSpan:
 
     @property
     def positions_taken(self) -> int:
-        return self.advance or self.length
+        return self.length if self.grid is None else self.grid.advance
 
 
 def media_placeholders(digest: bytes, length: int) -> list[int]:

@@ -181,9 +181,9 @@ class StepRunner:
             rows = np.frombuffer(span.embeddings, dtype=np.float32).reshape(span.length, width)[first:last]
             image_start = request.position_of(span.start)
             rope = None
-            if span.rope_positions:  # four sections of `length`, one after the other
-                rope = (np.frombuffer(span.rope_positions, dtype=np.int32)
-                        + image_start * np.frombuffer(span.rope_moves, dtype=np.int32))
+            if span.grid is not None:  # four sections of `length`, one after the other
+                rope = (np.frombuffer(span.grid.positions, dtype=np.int32)
+                        + image_start * np.frombuffer(span.grid.moves, dtype=np.int32))
                 rope = rope.reshape(4, span.length)[:, first:last].ravel()
             batch, keep = embeddings_batch(rows, chunk.seq_id, image_start + first, rope)
             if span.non_causal:

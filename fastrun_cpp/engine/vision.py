@@ -22,6 +22,7 @@ import numpy as np
 from fastrun_cpp.engine.backend import route_logs
 from fastrun_cpp.engine.errors import ModelLoadError
 from fastrun_cpp.engine.model import LlamaModel
+from fastrun_cpp.engine.request import RopeGrid
 from fastrun_cpp.fair_turns import FairTurns, Share
 from fastrun_cpp.lru import ByteLRU
 
@@ -37,11 +38,7 @@ class EncodedImage:
     after: list[int]  # and after it
     embeddings: bytes  # float32, length x the text model's input width
     non_causal: bool  # its rows attend to each other both ways
-    # M-RoPE only (else empty and 0): its rows' positions and how they move with where the
-    # image starts, and the positions it takes (as MediaSpan has them).
-    rope_positions: bytes = b""
-    rope_moves: bytes = b""
-    advance: int = 0
+    grid: RopeGrid | None = None  # M-RoPE projectors only: its rows' grid of positions
 
 
 class Projector:
@@ -131,7 +128,7 @@ class Projector:
                 return EncodedImage(before, length, after, embeddings, non_causal)
             at_0, at_1 = (self._rope_positions(image, length, start) for start in (0, 1))
             return EncodedImage(before, length, after, embeddings, non_causal,
-                                at_0.tobytes(), (at_1 - at_0).tobytes(), taken)
+                                RopeGrid(at_0.tobytes(), (at_1 - at_0).tobytes(), taken))
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)

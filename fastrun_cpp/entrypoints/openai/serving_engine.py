@@ -335,8 +335,7 @@ class OpenAIServing:
             except ValueError as exc:  # the projector's refusal
                 raise bad_request(f"image {number}: {exc}") from exc
             tokens += encoded.before
-            spans.append(MediaSpan(len(tokens), encoded.length, encoded.embeddings, encoded.non_causal,
-                                   encoded.rope_positions, encoded.rope_moves, encoded.advance))
+            spans.append(MediaSpan(len(tokens), encoded.length, encoded.embeddings, encoded.non_causal, encoded.grid))
             tokens += media_placeholders(image.digest, encoded.length)
             tokens += encoded.after
             self.check_prompt_tokens(served, tokens)
