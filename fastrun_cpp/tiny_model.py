@@ -80,7 +80,8 @@ def _write_blocks(writer, weights, shape: dict, *, head_width: int, qk_norm: boo
         writer.add_tensor(prefix + "ffn_down.weight", weights(width, ff))
 
 
-def _finish(writer) -> None:
+def finish_gguf(writer) -> None:
+    """Write what `writer` (a gguf.GGUFWriter) holds to its file and close it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -135,7 +136,7 @@ def write_tiny_model(out: Path, like: Path, *, fim: bool = False, seed: int = 0,
     writer.add_tensor("token_embd.weight", weights(n_vocab, width))
     writer.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
     _write_blocks(writer, weights, shape, head_width=head_width, qkv_bias=architecture == "qwen2vl")
-    _finish(writer)
+    finish_gguf(writer)
     return out
 
 
@@ -184,7 +185,7 @@ def write_tiny_reranker(out: Path, like: Path, *, seed: int = 0, shape: dict = T
     # Two rows ("yes", "no"), larger than the rest, so that scores spread over (0, 1).
     writer.add_tensor("cls.output.weight", (rng.standard_normal((2, width)) * 2.0).astype(np.float32))
     _write_blocks(writer, weights, shape, head_width=head_width, qk_norm=True)
-    _finish(writer)
+    finish_gguf(writer)
     return out
 
 
@@ -211,7 +212,7 @@ def write_tiny_lora(out: Path, base: Path, *, rank: int = 8, alpha: float = 16.0
         inputs, outputs = (int(n) for n in tensor.shape[:2])  # ggml's order: inputs first
         writer.add_tensor(stem + ".weight.lora_a", (rng.standard_normal((rank, inputs)) * 0.05).astype(np.float32))
         writer.add_tensor(stem + ".weight.lora_b", (rng.standard_normal((outputs, rank)) * 0.05).astype(np.float32))
-    _finish(writer)
+    finish_gguf(writer)
     return out
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastrun_cpp.tiny_model import finish_gguf
+
 # Gemma 3 always pools each side of the patch grid by 4 (clip.cpp's default for the "gemma3"
 # projector); a GGUF states another factor only when it differs, as convert_hf_to_gguf.py does.
 GEMMA3_POOL = 4
@@ -61,13 +63,6 @@ def _vision_writer(out: Path, projector_type: str, n_text: int, *, dtype: type, 
     writer.add_vision_head_count(heads)
     writer.add_vision_attention_layernorm_eps(1e-6)
     return writer
-
-
-def _finish(writer) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def write_tiny_projector(out: Path, text_model: Path, *, seed: int = 0, image_size: int = 224, patch_size: int = 14,
@@ -135,7 +130,7 @@ def write_tiny_projector(out: Path, text_model: Path, *, seed: int = 0, image_si
     writer.add_tensor("mm.soft_emb_norm.weight", ones(width))
     # Gemma 3 keeps this one as (vision width, text width) and multiplies by its transpose.
     writer.add_tensor("mm.input_projection.weight", weights(width, n_text))
-    _finish(writer)
+    finish_gguf(writer)
     return out
 
 
@@ -191,7 +186,7 @@ def write_tiny_qwen2vl_projector(out: Path, text_model: Path, *, seed: int = 0, 
     writer.add_tensor("mm.0.bias", weights(merged, matrix_dtype=np.float32))
     writer.add_tensor("mm.2.weight", weights(n_text, merged))
     writer.add_tensor("mm.2.bias", weights(n_text, matrix_dtype=np.float32))
-    _finish(writer)
+    finish_gguf(writer)
     return out
 
 
