@@ -2,7 +2,10 @@
 bare Python process (no server, no event loop): what llama.cpp alone costs per token, to set
 against a server's. Compare with llama-server's own `timings.predicted_per_token_ms`.
 
-    .venv/bin/python bench/decode_probe.py [--model smollm2|gemma|PATH] [--exact] [--unified]
+    .venv/bin/python bench/decode_probe.py [--model smollm2|gemma|PATH] [--exact] [--unified] [--context N]
+
+--context: the decodes follow a prompt of N tokens, as an answer to a long chat or an agent's
+files does (attention then reads N cells a layer; compare llama-bench's `-d N`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> int:
     parser.add_argument("--unified", action="store_true", help="one KV stream for all sequences (llama-server's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=384)
+    parser.add_argument("--context", type=int, default=40, help="prompt tokens before the decodes")
     args = parser.parse_args()
     if args.exact:
         os.environ.update(deterministic_switches())  # read by llama.cpp as it loads: set first
@@ -56,8 +60,9 @@ def main() -> int:
         if llama.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
 
-    prompt = list(range(100, 140))
-    decode(prompt, 0)
+    prompt = [100 + i % 1000 for i in range(args.context)]
+    for start in range(0, len(prompt), 512):
+        decode(prompt[start:start + 512], start)
     position, seconds = len(prompt), []
     for _ in range(args.tokens):
         token = int(np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).argmax())
@@ -66,7 +71,7 @@ def main() -> int:
         seconds.append(time.perf_counter() - started)
         position += 1
     print(f"{path.name}: {'exact' if args.exact else 'fast'} kernels, {'unified' if args.unified else 'per-slot'} KV, "
-          f"{args.threads} threads: one-row decode median {statistics.median(seconds) * 1000:.2f} ms, "
+          f"{args.threads} threads, after {args.context} tokens: one-row decode median {statistics.median(seconds) * 1000:.2f} ms, "
           f"mean {statistics.fmean(seconds) * 1000:.2f} ms over {args.tokens}")
     llama.llama_batch_free(batch)
     llama.llama_free(ctx)

@@ -28,7 +28,9 @@ Cells (streamed chats, default fastrun-cpp settings otherwise: exact mode):
 - json_schema c=1, required-tool c=1: per-stream decode tokens/s after the first token;
 - copy c=1, records c=1, code-edit c=1: decode tokens/s of answers that restate the prompt
   (bench/speculative.py's workloads: a passage, a list of similar records, a file with one name
-  changed), where drafting pays most.
+  changed), where drafting pays most; stdlib-rename c=1, unicode-json c=1: the same on text this
+  project did not write (a standard-library module's source with a name renamed, a JSON list of
+  Unicode Character Database records with a key renamed).
 Every cell repeats until it has lasted MIN_CELL_S and given MIN_ANSWERS answers (median TTFT;
 tokens/s pooled over the repeats).
 
@@ -78,7 +80,8 @@ SAMPLED = {"sampled c=1": 1, "sampled c=8": 8, "sampled c=16": 16}
 CONSTRAINED = {"json_schema c=1": structured.WORKLOADS["json_schema"],
                "required-tool c=1": structured.WORKLOADS["required tool"]}
 COPIES = {"copy c=1": speculative.copy_body, "records c=1": speculative.records_body,
-          "code-edit c=1": speculative.code_edit_body}
+          "code-edit c=1": speculative.code_edit_body, "stdlib-rename c=1": speculative.stdlib_rename_body,
+          "unicode-json c=1": speculative.unicode_json_body}
 GROUPS = {"prefill": PREFILL, "decode": DECODE, "sampled": SAMPLED, "constrained": CONSTRAINED, "copies": COPIES}
 LOWER_IS_BETTER = set(PREFILL)
 MIN_CELL_S = 2.0
@@ -256,6 +259,7 @@ def main() -> int:
     parser.add_argument("--decode-levels", default="1,8,16", help="concurrencies of the decode and sampled cells")
     parser.add_argument("--prefill-cells", default=",".join(PREFILL),
                         help="which prefill cells (a large model's 4.5k-token prompts take minutes each)")
+    parser.add_argument("--copy-cells", default=",".join(COPIES), help="which copies cells")
     parser.add_argument("--slots", type=int, default=SLOTS)
     parser.add_argument("--llama-server-args", default="", help="more llama-server flags, e.g. '-ngl 999'")
     parser.add_argument("--cells", default=",".join(GROUPS), help="groups of cells: " + ", ".join(GROUPS))
@@ -299,7 +303,8 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
     levels = [int(level) for level in args.decode_levels.split(",")]
     cells_of = {**GROUPS, "decode": {f"decode c={level}": level for level in levels},
                 "sampled": {f"sampled c={level}": level for level in levels},
-                "prefill": {cell: PREFILL[cell] for cell in args.prefill_cells.split(",")}}
+                "prefill": {cell: PREFILL[cell] for cell in args.prefill_cells.split(",")},
+                "copies": {cell: COPIES[cell] for cell in args.copy_cells.split(",")}}
     slots, more = args.slots, tuple(args.llama_server_args.split())
     groups = [group for group in args.cells.split(",") if group]
     env = {"FASTRUN_KEYS_DB": str(Path(tempfile.mkdtemp(prefix="fastrun-matrix-")) / "keys.sqlite3")}

@@ -6,7 +6,10 @@ llama.cpp's llama-server plain and with `--spec-type ngram-mod`.
 Workloads (temperature 0, streamed): `copy` (the answer repeats a ~1k-token passage of the
 prompt, 256 tokens), `records` (the answer restates a ~1k-token list of similar records: one
 template, values that recur), `code-edit` (a ~900-token file returned with one name changed), `chat`
-(ordinary short questions, 128 tokens). Each at concurrency 1 and 8; servers alternate order
+(ordinary short questions, 128 tokens), and two copies of text this project did not write, cut
+from public corpora every Python carries: `stdlib-rename` (~1k tokens of a standard-library
+module's source, returned with its most used local name renamed) and `unicode-json` (a JSON list
+of ~20 records of the Unicode Character Database, re-emitted with one field renamed). Each at concurrency 1 and 8; servers alternate order
 every round. Reports tok/s (at c=1 one stream's decode speed after its first token; at c=8
 aggregate tokens over wall time), TTFT p50, the draft acceptance rate, failed requests (a
 server that dies mid-stream is counted, not fatal), each server's ratio to llama-server with
@@ -17,10 +20,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import builtins
+import collections
+import importlib
+import inspect
+import io
 import json
+import keyword
+import re
 import statistics
 import sys
 import time
+import tokenize
+import unicodedata
 from pathlib import Path
 
 import httpx
@@ -78,6 +90,58 @@ def code_edit_body(index: int) -> dict:
                                                         "to `cap`. Output the whole file."}], "max_tokens": 256}
 
 
+# Copies of text the project did not write (issue 63): the standard library's own source and the
+# Unicode Character Database, both shipped with every Python, so the workloads need no download.
+# Each answer's prompt is another module or another block, so no server replays an earlier answer.
+# Modules whose first definitions make 750-1,100 tokens with a name used 8 times or more.
+STDLIB_MODULES = ["posixpath", "genericpath", "heapq", "base64", "quopri", "bisect", "shutil", "json.decoder",
+                  "functools", "copy", "gettext", "zipfile", "tarfile", "urllib.parse", "logging", "ast"]
+PUBLIC_CHARS = 3400  # ~1k tokens of code with SmolLM2's or Gemma 3's tokenizer
+
+
+def stdlib_source(index: int) -> tuple[str, str]:
+    """A module's source from its first top-level function: whole top-level definitions up to
+    PUBLIC_CHARS, and the local name they use most (no keyword, builtin or `self`): what a rename
+    request names."""
+    source = inspect.getsource(importlib.import_module(STDLIB_MODULES[index % len(STDLIB_MODULES)]))
+    chunk = ""
+    for definition in re.split(r"\n(?=def |class |@)", source[source.index("\ndef ") + 1:]):
+        if chunk and len(chunk) + len(definition) > PUBLIC_CHARS:
+            break
+        chunk += definition + "\n"
+    names = collections.Counter(
+        token.string for token in tokenize.generate_tokens(io.StringIO(chunk).readline)
+        if token.type == tokenize.NAME and len(token.string) > 2 and not keyword.iskeyword(token.string)
+        and not hasattr(builtins, token.string) and token.string != "self")
+    return chunk, names.most_common(1)[0][0]
+
+
+def stdlib_rename_body(index: int) -> dict:
+    chunk, name = stdlib_source(index)
+    return {"messages": [{"role": "user", "content": f"```python\n{chunk}```\n\nRewrite this code with `{name}` "
+                                                        f"renamed to `{name}_value` everywhere. Output the whole code."}],
+            "max_tokens": 256}
+
+
+UNICODE_BLOCKS = [0xC0, 0x100, 0x391, 0x410, 0x1E00, 0x2190, 0x2200, 0x250]
+
+
+def unicode_records(index: int, count: int = 20) -> str:
+    """`count` records of the Unicode Character Database, one JSON object a line."""
+    start = UNICODE_BLOCKS[index % len(UNICODE_BLOCKS)] + count * (index // len(UNICODE_BLOCKS))
+    rows = [{"code": f"U+{point:04X}", "char": chr(point), "name": unicodedata.name(chr(point), ""),
+             "category": unicodedata.category(chr(point)), "bidi": unicodedata.bidirectional(chr(point)),
+             "mirrored": unicodedata.mirrored(chr(point))} for point in range(start, start + count)]
+    return "[\n" + ",\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n]"
+
+
+def unicode_json_body(index: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"{unicode_records(index)}\n\nOutput this JSON array again, "
+                                                        "the same records in the same order, with the key "
+                                                        "\"category\" renamed to \"general_category\"."}],
+            "max_tokens": 256}
+
+
 CHAT_TOPICS = ["a lighthouse keeper", "a lost robot", "a mountain village", "a pirate ship", "an old library",
                "a desert caravan", "a space station", "a secret garden"]
 
@@ -87,7 +151,8 @@ def chat_body(index: int) -> dict:
             "max_tokens": 128}
 
 
-WORKLOADS = {"copy": copy_body, "records": records_body, "code-edit": code_edit_body, "chat": chat_body}
+WORKLOADS = {"copy": copy_body, "records": records_body, "code-edit": code_edit_body,
+             "stdlib-rename": stdlib_rename_body, "unicode-json": unicode_json_body, "chat": chat_body}
 
 
 async def one(client: httpx.AsyncClient, base_url: str, body: dict) -> dict:
