@@ -9,8 +9,8 @@ template, values that recur), `code-edit` (a ~900-token file returned with one n
 (ordinary short questions, 128 tokens), and two copies of text this project did not write, cut
 from public corpora every Python carries: `stdlib-rename` (~1k tokens of a standard-library
 module's source, returned with its most used local name renamed) and `unicode-json` (a JSON list
-of ~20 records of the Unicode Character Database, re-emitted with one field renamed). Each at concurrency 1 and 8; servers alternate order
-every round. Reports tok/s (at c=1 one stream's decode speed after its first token; at c=8
+of ~20 records of the Unicode Character Database, re-emitted with one field renamed). Each at
+concurrency 1 and 8; servers alternate order every round. Reports tok/s (at c=1 one stream's decode speed after its first token; at c=8
 aggregate tokens over wall time), TTFT p50, the draft acceptance rate, failed requests (a
 server that dies mid-stream is counted, not fatal), each server's ratio to llama-server with
 ngram-mod and each speculating server's ratio to itself with speculation off.
