@@ -35,7 +35,8 @@ def free_port() -> int:
 def large_model(like: Path, shape: str = "llama-3.2-3b", quantization: str = "Q4_K_M") -> Path:
     """A model of a real architecture and size, random weights (fastrun_cpp/tiny_model.py's
     `shape`), quantized by llama.cpp's own quantizer as users quantize: where decoding is bound
-    by memory bandwidth, as on real models. Made once (a few minutes), kept in .bench/."""
+    by memory bandwidth, as on real models. Made once (minutes; the 8B shape's F16 source, 15 GB,
+    is held in memory and on disk while it is made), kept in .bench/."""
     path = ROOT / ".bench" / f"random-{shape}-{quantization.lower()}.gguf"
     if path.exists():
         return path
@@ -111,6 +112,21 @@ class Server:
     @property
     def base_url(self) -> str:
         return self.root_url + "/v1"
+
+
+@contextmanager
+def checkout(ref: str | None) -> Iterator[Path | None]:
+    """This repository at commit `ref`, in a git worktree removed afterwards (None without a ref):
+    fastrun-cpp of another commit to run beside this one (`running(..., cwd=...)`)."""
+    if ref is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run(["git", "worktree", "add", "--detach", scratch, ref], check=True, capture_output=True, cwd=ROOT)
+        try:
+            yield Path(scratch)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", scratch], capture_output=True, cwd=ROOT)
 
 
 @contextmanager

@@ -38,7 +38,9 @@ Models: SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M (its GGUF has no chat template: b
 Gemma 3's, bench/templates/gemma3.jinja), and `tiny` (fastrun_cpp/tiny_model.py: 2 layers,
 64 wide, random weights, SmolLM2's tokenizer; prefill and decode cells only), whose cells measure
 each server's own per-token overhead rather than the model; and, when named, `random-3b` (Llama
-3.2 3B's shape, random weights, Q4_K_M, about 1.8 GB), whose decode is bound by memory bandwidth.
+3.2 3B's shape, random weights, Q4_K_M, about 1.8 GB), whose decode is bound by memory bandwidth,
+and `random-1b` and `random-8b` beside it (Llama 3.2 1B's and Llama 3.1 8B's shapes, 0.7 and
+4.5 GB): the sizes users run on CPUs.
 
 With --base-ref, fastrun-cpp at commit REV (a git worktree) runs beside this commit, both ways,
 and a second table per model gives this commit against it: the before and after of a change.
@@ -69,7 +71,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import speculative, structured  # noqa: E402
-from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, large_model, running  # noqa: E402
+from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, checkout, large_model, running  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 SLOTS = 16
@@ -98,8 +100,9 @@ RANDOM_GROUPS = {"prefill", "decode", "sampled"}
 # cells would measure the loop.
 TEMPLATES = {"gemma": ROOT / "bench" / "templates" / "gemma3.jinja"}
 # Llama 3.2 3B's shape, random weights, Q4_K_M (bench/harness.py large_model): a model whose
-# decode is bound by memory bandwidth, as real models of its size are (bench/bandwidth.py).
-LARGE = "random-3b"
+# decode is bound by memory bandwidth, as real models of its size are (bench/bandwidth.py); and
+# the 1B and 8B shapes beside it, the sizes users run on CPUs.
+LARGE_SHAPES = {"random-1b": "llama-3.2-1b", "random-3b": "llama-3.2-3b", "random-8b": "llama-3.1-8b"}
 
 
 def cold_document(tokens: int) -> str:
@@ -255,7 +258,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", default="smollm2,gemma,tiny",
-                        help=f"smollm2, gemma, tiny, {LARGE}, or NAME=PATH (a GGUF; random weights: name it random-*)")
+                        help=f"smollm2, gemma, tiny, {', '.join(LARGE_SHAPES)}, or NAME=PATH (a GGUF; random weights: name it random-*)")
     parser.add_argument("--decode-levels", default="1,8,16", help="concurrencies of the decode and sampled cells")
     parser.add_argument("--prefill-cells", default=",".join(PREFILL),
                         help="which prefill cells (a large model's 4.5k-token prompts take minutes each)")
@@ -274,15 +277,8 @@ def main() -> int:
     if args.plain_draws:
         global sampled_chain
         sampled_chain = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        if args.base_ref:
-            subprocess.run(["git", "worktree", "add", "--detach", scratch, args.base_ref], check=True,
-                           capture_output=True, cwd=ROOT)
-        try:
-            return run_matrix(args, Path(scratch) if args.base_ref else None)
-        finally:
-            if args.base_ref:
-                subprocess.run(["git", "worktree", "remove", "--force", scratch], capture_output=True, cwd=ROOT)
+    with checkout(args.base_ref) as base_checkout:
+        return run_matrix(args, base_checkout)
 
 
 def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
@@ -297,8 +293,8 @@ def run_matrix(args: argparse.Namespace, base_checkout: Path | None) -> int:
         name, _, path = entry.partition("=")
         if path:
             paths[name] = Path(path)
-        elif name == LARGE:
-            paths[name] = large_model(paths["smollm2"])
+        elif name in LARGE_SHAPES:
+            paths[name] = large_model(paths["smollm2"], LARGE_SHAPES[name])
         models.append(name)
     levels = [int(level) for level in args.decode_levels.split(",")]
     cells_of = {**GROUPS, "decode": {f"decode c={level}": level for level in levels},

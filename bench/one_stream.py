@@ -5,6 +5,7 @@ answers alternating: the figure bench/matrix.py's c=1 cells cannot give on a sha
     .venv/bin/python bench/one_stream.py --models random-3b --slots 4 --pairs "no speculation"
     .venv/bin/python bench/one_stream.py --models random-3b --slots 8 --streams 8 --pairs "no speculation"
     .venv/bin/python bench/one_stream.py --models smollm2 --pairs flags --flags="--stream-interval-ms 20"
+    .venv/bin/python bench/one_stream.py --models smollm2 --pairs "no speculation,base" --base-ref HEAD~1
 
 Why side by side: a c=1 answer is one stream on 2 cores, and this machine's speed drifts by 10-20%
 over minutes (a VM's neighbours). The matrix runs one server after the other, so its c=1 ratios
@@ -18,7 +19,9 @@ file, threads, slots (16) and context per slot (5120), as in the matrix. Pairs, 
 fastrun-cpp `--spec-type none` against plain llama-server, and fastrun-cpp's default n-gram
 drafts against llama-server `--spec-type ngram-mod`. With `--flags`, a third pair ("flags"):
 fastrun-cpp without drafts with those flags against fastrun-cpp without drafts, the before and
-after of a setting, measured the same way.
+after of a setting, measured the same way. With `--base-ref REV`, the pair "base": fastrun-cpp
+without drafts at this checkout against the same at commit REV (a git worktree), the before and
+after of a change, with llama-server in the same rounds.
 
 With `--streams N`, each server's turn in a round is N answers at once (c=N, each to its own new
 prompt), and a rate is their tokens over the time the last one took: the matrix's c=N cell,
@@ -47,7 +50,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import matrix, speculative, structured  # noqa: E402
-from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, large_model, running  # noqa: E402
+from bench.harness import LLAMA_SERVER, ROOT, ServerSpec, checkout, large_model, running  # noqa: E402
 from fastrun_cpp.settings import physical_cores  # noqa: E402
 
 TOKENS = 128
@@ -90,8 +93,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded (matrix.SAMPLED_CHAIN)")
     parser.add_argument("--pairs", default="no speculation,speculation",
-                        help="which pairs: no speculation, speculation, flags")
+                        help="which pairs: no speculation, speculation, flags, base")
     parser.add_argument("--flags", default="", help="fastrun-cpp flags the 'flags' pair tries")
+    parser.add_argument("--base-ref", help="the commit the 'base' pair measures this checkout against")
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--slots", type=int, default=matrix.SLOTS,
                         help="per server (a 3B model's KV for 16 slots of 5120 tokens is 9.4 GB a server)")
@@ -99,10 +103,18 @@ def main() -> int:
     args = parser.parse_args()
     if not 1 <= args.streams <= args.slots:
         parser.error("--streams must be between 1 and --slots")
+    if ("base" in args.pairs.split(",")) != bool(args.base_ref):
+        parser.error("the pair 'base' and --base-ref go together")
+    with checkout(args.base_ref) as base_checkout:
+        return run(args, base_checkout)
+
+
+def run(args: argparse.Namespace, base_checkout: Path | None) -> int:
     paths = structured.model_paths()
     paths["tiny"] = matrix.tiny_model(paths["smollm2"])
-    if matrix.LARGE in args.models.split(","):
-        paths[matrix.LARGE] = large_model(paths["smollm2"])
+    for name in args.models.split(","):
+        if name in matrix.LARGE_SHAPES:
+            paths[name] = large_model(paths["smollm2"], matrix.LARGE_SHAPES[name])
     servers = {
         "fastrun-cpp no-spec": ServerSpec("fastrun-cpp", args.slots, matrix.CTX, args.threads,
                                           extra_args=("--spec-type", "none"), label="fastrun-cpp-no-spec"),
@@ -115,7 +127,13 @@ def main() -> int:
         servers["fastrun-cpp flags"] = ServerSpec("fastrun-cpp", args.slots, matrix.CTX, args.threads,
                                                   extra_args=("--spec-type", "none", *args.flags.split()),
                                                   label="fastrun-cpp-flags")
-    pairs = {side: {**matrix.PAIRS, "flags": ("fastrun-cpp flags", "fastrun-cpp no-spec")}[side]
+    checkouts: dict[str, Path | None] = {}
+    if base_checkout is not None:
+        servers["fastrun-cpp base"] = ServerSpec("fastrun-cpp", args.slots, matrix.CTX, args.threads,
+                                                 extra_args=("--spec-type", "none"), label="fastrun-cpp-base")
+        checkouts["fastrun-cpp base"] = base_checkout
+    pairs = {side: {**matrix.PAIRS, "flags": ("fastrun-cpp flags", "fastrun-cpp no-spec"),
+                    "base": ("fastrun-cpp no-spec", "fastrun-cpp base")}[side]
              for side in args.pairs.split(",")}
     if any(name.startswith("llama-server") for pair in pairs.values() for name in pair) and not LLAMA_SERVER.exists():
         print(f"{LLAMA_SERVER} is missing: run bench/build_llama_server.sh first", file=sys.stderr)
@@ -137,7 +155,7 @@ def main() -> int:
                 if model in matrix.TEMPLATES:
                     spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--chat-template-file",
                                                                  str(matrix.TEMPLATES[model])))
-                up[name] = stack.enter_context(running(spec, paths[model], env=env))
+                up[name] = stack.enter_context(running(spec, paths[model], env=env, cwd=checkouts.get(name)))
             for name in names:  # a warm-up answer each, to a prompt no round asks
                 asyncio.run(answer(up[name].base_url, [1_000_000 + k for k in range(args.streams)], args.sampled))
             counters_before = {name: matrix.engine_counters(up[name].base_url) for name in names
@@ -163,7 +181,8 @@ def main() -> int:
             ratios = [a / b for a, b in zip(rates[ours], rates[theirs])]
             q1, _, q3 = statistics.quantiles(ratios, n=4)
             ahead = sum(ratio > 1 for ratio in ratios)
-            label = f"{side}: {args.flags} against without" if side == "flags" else side
+            label = {"flags": f"{side}: {args.flags} against without",
+                     "base": f"{side}: this checkout against {args.base_ref}"}.get(side, side)
             rows.append(f"| {model} | {'sampled' if args.sampled else 'greedy'} c={args.streams} | {label} | "
                         f"{statistics.median(rates[ours]):.1f} | {statistics.median(rates[theirs]):.1f} | "
                         f"**{statistics.median(ratios):.3f}x** | {q1:.3f}-{q3:.3f} | {ahead}/{len(ratios)} |")

@@ -35,7 +35,14 @@ SMOLLM2_135M = {"block_count": 30, "embedding_length": 576, "feed_forward_length
 # decoding on a CPU is bound by memory bandwidth, as real models are (bench/bandwidth.py).
 LLAMA32_3B = {"block_count": 28, "embedding_length": 3072, "feed_forward_length": 8192, "head_count": 24,
               "head_count_kv": 8, "context_length": 8192}
-SHAPES = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M, "llama-3.2-3b": LLAMA32_3B}
+# The sizes on either side of it that users run on CPUs: Llama 3.2 1B (about 0.7 GB at Q4_K_M with
+# this vocabulary) and Llama 3.1 8B (about 4.5 GB; its F16 source takes 15 GB of disk while made).
+LLAMA32_1B = {"block_count": 16, "embedding_length": 2048, "feed_forward_length": 8192, "head_count": 32,
+              "head_count_kv": 8, "context_length": 8192}
+LLAMA31_8B = {"block_count": 32, "embedding_length": 4096, "feed_forward_length": 14336, "head_count": 32,
+              "head_count_kv": 8, "context_length": 8192}
+SHAPES = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M, "llama-3.2-1b": LLAMA32_1B, "llama-3.2-3b": LLAMA32_3B,
+          "llama-3.1-8b": LLAMA31_8B}
 # The decoders tiny_model writes, by llama.cpp architecture name.
 ARCHITECTURES = ("llama", "qwen2vl")
 

@@ -9,6 +9,8 @@ import json
 import anthropic
 import pytest
 
+from fastrun_cpp.entrypoints.openai.protocol import ChatCompletionChunk, ChatCompletionChunkChoice, ChatDelta
+from fastrun_cpp.entrypoints.openai.utils import TextChunks
 from tests.server import DEFAULT_MODEL
 
 PROMPT = "Write two sentences about the sea."
@@ -80,3 +82,41 @@ def test_a_forced_tool_call_streams_the_same_call_through_each_api(client, claud
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
     assert isinstance(uses[0].input["city"], str)
+
+
+TRICKY_TEXTS = [" the", "", 'say "hi"', "back\\slash", "line\nbreak\ttab\r", "\x00\x01\x1f\x7f", "\u2028\u2029",
+                "é 中文 😀", "</script><b>", "\ud7ff\ue000\uffff", TextChunks.MARK]
+
+
+@pytest.mark.parametrize("names", [("reasoning",), ("reasoning_content",), ("reasoning", "reasoning_content")])
+@pytest.mark.parametrize("model", ["smollm2", 'a "quoted" \\ model é', "mark" + TextChunks.MARK, TextChunks.MARK])
+def test_a_text_chunk_from_its_template_is_the_chunk_its_models_write(names, model):
+    """A streamed token's chunk is spliced into a template (entrypoints/openai/utils.py's
+    TextChunks): byte for byte what building and dumping its models writes, for every text,
+    both fields and every name reasoning is written under. A model named like the mark gets
+    no template (the caller builds those chunks)."""
+    context = {"reasoning_names": names}
+
+    def dumped(index: int, field: str, text: str) -> str:
+        choice = ChatCompletionChunkChoice(index=index, delta=ChatDelta(**{field: text}))
+        return ChatCompletionChunk(id="chatcmpl-1", created=1, model=model, choices=[choice]).model_dump_json(context=context)
+
+    chunks = TextChunks(dumped)
+    for index in (0, 3):
+        for field in ("content", "reasoning"):
+            for text in TRICKY_TEXTS:
+                rendered = chunks.render(index, field, text)
+                if model == TextChunks.MARK:  # the mark is also where no text goes: no template
+                    assert rendered is None
+                    continue
+                assert rendered == dumped(index, field, text)
+                delta = json.loads(rendered)["choices"][0]["delta"]
+                assert delta == ({name: text for name in names} if field == "reasoning" else {"content": text})
+
+
+def test_a_text_chunk_without_a_template_that_fits_is_built():
+    """A dump that holds the mark beside the text (here in a field of its own), or that holds no
+    text at all, gets no template: the caller builds those chunks."""
+    chunks = TextChunks(lambda index, field, text: json.dumps({"a": TextChunks.MARK, field: text}))
+    assert chunks.render(0, "content", "hi") is None
+    assert TextChunks(lambda index, field, text: json.dumps({"fixed": "text"})).render(0, "content", "hi") is None

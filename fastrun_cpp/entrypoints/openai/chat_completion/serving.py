@@ -56,7 +56,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
-from fastrun_cpp.entrypoints.openai.utils import JSONPieces, answer_pieces
+from fastrun_cpp.entrypoints.openai.utils import JSONPieces, TextChunks, answer_pieces
 from fastrun_cpp.parsers import ReasoningParser, ToolFunction, ToolParser
 from fastrun_cpp.parsers.chat_output import ChatOutputParser
 from fastrun_cpp.parsers.tool_calls import FallbackToolParser
@@ -219,11 +219,11 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return self._server_sent_events(self._chunks(events, request.model, include_usage))
 
-    async def _server_sent_events(self, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
+    async def _server_sent_events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """Chat chunks as `data:` payloads, an error as one event in the spec's shape, then [DONE]."""
         try:
             async for chunk in chunks:
-                yield chunk.model_dump_json(context=self.dump_context)
+                yield chunk
         except APIError as exc:
             yield stream_error_event(exc)
             return
@@ -582,21 +582,30 @@ class OpenAIServingChat(OpenAIServing):
         yield AnswerUsage(usage=usage_of([finals[i] for i in sorted(finals)],
                                          reasoning_counted=generation.reasoning_budget is not None))
 
-    @staticmethod
-    async def _chunks(events: AnswerEvents, model: str, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
-        """The answer's events as chat chunks: each choice opens with its role."""
+    async def _chunks(self, events: AnswerEvents, model: str, include_usage: bool) -> AsyncIterator[str]:
+        """The answer's events as chat chunks' JSON: each choice opens with its role."""
+        context = self.dump_context
         answer_id, created = "", 0
+        text_chunks: TextChunks | None = None
 
-        def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
+        def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
             choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-            return ChatCompletionChunk(id=answer_id, created=created, model=model, choices=[choice])
+            return ChatCompletionChunk(id=answer_id, created=created, model=model,
+                                       choices=[choice]).model_dump_json(context=context)
 
         async for event in events:
             if isinstance(event, AnswerStarted):
                 answer_id, created = event.answer_id, event.created
+                text_chunks = TextChunks(lambda index, field, text: chunk(index, ChatDelta(**{field: text})))
                 for index in range(event.choices):
                     yield chunk(index, ChatDelta(role="assistant", content=""))
             elif isinstance(event, AnswerDelta):
+                # Most of a stream: one piece of text or of reasoning, nothing else.
+                if (not event.tool_calls and event.logprobs is None and bool(event.text) != bool(event.reasoning)
+                        and (rendered := text_chunks.render(event.index, "content" if event.text else "reasoning",
+                                                            event.text or event.reasoning)) is not None):
+                    yield rendered
+                    continue
                 calls = [ToolCallDelta(index=c.call_index, id=c.call_id, type="function" if c.call_id else None,
                                        function=FunctionCallDelta(name=c.name, arguments=c.arguments))
                          for c in event.tool_calls]
@@ -608,4 +617,5 @@ class OpenAIServingChat(OpenAIServing):
             elif isinstance(event, ChoiceFinished):
                 yield chunk(event.index, ChatDelta(), event.finish_reason)
             elif include_usage:
-                yield ChatCompletionChunk(id=answer_id, created=created, model=model, choices=[], usage=event.usage)
+                yield ChatCompletionChunk(id=answer_id, created=created, model=model, choices=[],
+                                          usage=event.usage).model_dump_json(context=context)

@@ -32,7 +32,7 @@ from fastrun_cpp.entrypoints.openai.serving_engine import (
     usage_of,
 )
 from fastrun_cpp.entrypoints.openai.models.serving import ServedModel
-from fastrun_cpp.entrypoints.openai.utils import JSONPieces, answer_pieces, merge_async_iterators
+from fastrun_cpp.entrypoints.openai.utils import JSONPieces, TextChunks, answer_pieces, merge_async_iterators
 from fastrun_cpp.runtime import EngineStream
 
 # llama-server's media marker (mtmd_default_marker()): where each of a prompt's multimodal_data goes.
@@ -186,6 +186,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 id=completion_id, created=created, model=request.model, choices=choices, usage=usage
             ).model_dump_json()
 
+        text_chunks = TextChunks(lambda index, field, text: chunk(
+            [CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)]))
         finals: dict[tuple[int, int], GenerationOutput] = {}
         builders: dict[int, CompletionLogprobsBuilder] = {}
         echoed: set[int] = set()
@@ -203,7 +205,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         builder.add_prompt(generations[prompt_index].prompt_tokens, output.prompt_logprobs or [])
                 if request.logprobs is not None:
                     logprobs = builder.add(output.logprobs or [])
-                if text or output.finished or output.logprobs:
+                if text and not output.finished and logprobs is None:  # most of a stream: a piece of text
+                    yield text_chunks.render(index, "text", text) or chunk(
+                        [CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)])
+                elif text or output.finished or output.logprobs:
                     yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                   finish_reason=openai_finish_reason(output.finish_reason))])
                 if output.finished:
