@@ -94,7 +94,7 @@ def test_a_text_chunk_from_its_template_is_the_chunk_its_models_write(names, mod
     """A streamed token's chunk is spliced into a template (entrypoints/openai/utils.py's
     TextChunks): byte for byte what building and dumping its models writes, for every text,
     both fields and every name reasoning is written under. A model named like the mark gets
-    no template (the caller builds those chunks)."""
+    no template: its chunks are dumped whole, the same bytes."""
     context = {"reasoning_names": names}
 
     def dumped(index: int, field: str, text: str) -> str:
@@ -106,17 +106,17 @@ def test_a_text_chunk_from_its_template_is_the_chunk_its_models_write(names, mod
         for field in ("content", "reasoning"):
             for text in TRICKY_TEXTS:
                 rendered = chunks.render(index, field, text)
-                if model == TextChunks.MARK:  # the mark is also where no text goes: no template
-                    assert rendered is None
-                    continue
                 assert rendered == dumped(index, field, text)
                 delta = json.loads(rendered)["choices"][0]["delta"]
                 assert delta == ({name: text for name in names} if field == "reasoning" else {"content": text})
 
 
-def test_a_text_chunk_without_a_template_that_fits_is_built():
+def test_a_text_chunk_without_a_template_that_fits_is_dumped_whole():
     """A dump that holds the mark beside the text (here in a field of its own), or that holds no
-    text at all, gets no template: the caller builds those chunks."""
+    text at all, gets no template: each chunk is then its own dump, never the mark's place
+    filled twice."""
     chunks = TextChunks(lambda index, field, text: json.dumps({"a": TextChunks.MARK, field: text}))
-    assert chunks.render(0, "content", "hi") is None
-    assert TextChunks(lambda index, field, text: json.dumps({"fixed": "text"})).render(0, "content", "hi") is None
+    assert json.loads(chunks.render(0, "content", "hi")) == {"a": TextChunks.MARK, "content": "hi"}
+    assert json.loads(chunks.render(0, "content", "ho")) == {"a": TextChunks.MARK, "content": "ho"}
+    fixed = TextChunks(lambda index, field, text: json.dumps({"fixed": "text"}))
+    assert json.loads(fixed.render(0, "content", "hi")) == {"fixed": "text"}

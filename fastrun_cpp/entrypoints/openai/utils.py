@@ -117,7 +117,8 @@ class TextChunks:
     reasoning is written under two names), encoded as pydantic encodes a string. A template is
     kept only once a probe text spliced into it is the probe's own dump; so every chunk is the
     bytes its models write (tests/test_answer_stream.py), for a fraction of the event loop's
-    work per streamed token, which runs beside llama.cpp's threads on the same cores."""
+    work per streamed token, which runs beside llama.cpp's threads on the same cores. Where no
+    template fits (a dump that holds the mark elsewhere), each chunk is dumped whole."""
 
     MARK = "\x00fastrun-text\x00"
     PROBE = 'a "probe" \\ é\n'
@@ -128,15 +129,15 @@ class TextChunks:
         self._dump = dump
         self._templates: dict[tuple[int, str], list[str] | None] = {}
 
-    def render(self, index: int, field: str, text: str) -> str | None:
-        """The chunk's JSON, or None where no template fits (the caller then builds the chunk)."""
+    def render(self, index: int, field: str, text: str) -> str:
+        """The chunk's JSON: from its template, or dumped where no template fits."""
         key = (index, field)
         if key not in self._templates:
             pieces = self._dump(index, field, self.MARK).split(self._encoded(self.MARK))
             fits = len(pieces) > 1 and self._encoded(self.PROBE).join(pieces) == self._dump(index, field, self.PROBE)
             self._templates[key] = pieces if fits else None
         pieces = self._templates[key]
-        return None if pieces is None else self._encoded(text).join(pieces)
+        return self._dump(index, field, text) if pieces is None else self._encoded(text).join(pieces)
 
     @classmethod
     def _encoded(cls, text: str) -> str:

@@ -586,25 +586,24 @@ class OpenAIServingChat(OpenAIServing):
         """The answer's events as chat chunks' JSON: each choice opens with its role."""
         context = self.dump_context
         answer_id, created = "", 0
-        text_chunks: TextChunks | None = None
 
         def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, logprobs=None) -> str:
             choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
             return ChatCompletionChunk(id=answer_id, created=created, model=model,
                                        choices=[choice]).model_dump_json(context=context)
 
+        # Its templates are made at the first text, once the answer's id and time are known.
+        text_chunks = TextChunks(lambda index, field, text: chunk(index, ChatDelta(**{field: text})))
         async for event in events:
             if isinstance(event, AnswerStarted):
                 answer_id, created = event.answer_id, event.created
-                text_chunks = TextChunks(lambda index, field, text: chunk(index, ChatDelta(**{field: text})))
                 for index in range(event.choices):
                     yield chunk(index, ChatDelta(role="assistant", content=""))
             elif isinstance(event, AnswerDelta):
                 # Most of a stream: one piece of text or of reasoning, nothing else.
-                if (not event.tool_calls and event.logprobs is None and bool(event.text) != bool(event.reasoning)
-                        and (rendered := text_chunks.render(event.index, "content" if event.text else "reasoning",
-                                                            event.text or event.reasoning)) is not None):
-                    yield rendered
+                if not event.tool_calls and event.logprobs is None and bool(event.text) != bool(event.reasoning):
+                    yield text_chunks.render(event.index, "content" if event.text else "reasoning",
+                                             event.text or event.reasoning)
                     continue
                 calls = [ToolCallDelta(index=c.call_index, id=c.call_id, type="function" if c.call_id else None,
                                        function=FunctionCallDelta(name=c.name, arguments=c.arguments))

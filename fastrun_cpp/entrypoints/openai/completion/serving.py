@@ -206,8 +206,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.logprobs is not None:
                     logprobs = builder.add(output.logprobs or [])
                 if text and not output.finished and logprobs is None:  # most of a stream: a piece of text
-                    yield text_chunks.render(index, "text", text) or chunk(
-                        [CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)])
+                    yield text_chunks.render(index, "text", text)
                 elif text or output.finished or output.logprobs:
                     yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                   finish_reason=openai_finish_reason(output.finish_reason))])
