@@ -6,6 +6,7 @@ answers alternating: the figure bench/matrix.py's c=1 cells cannot give on a sha
     .venv/bin/python bench/one_stream.py --models random-3b --slots 8 --streams 8 --pairs "no speculation"
     .venv/bin/python bench/one_stream.py --models smollm2 --pairs flags --flags="--stream-interval-ms 20"
     .venv/bin/python bench/one_stream.py --models smollm2 --pairs "no speculation,base" --base-ref HEAD~1
+    .venv/bin/python bench/one_stream.py --models random-3b --pairs "no speculation,base" --base-libs DIR
 
 Why side by side: a c=1 answer is one stream on 2 cores, and this machine's speed drifts by 10-20%
 over minutes (a VM's neighbours). The matrix runs one server after the other, so its c=1 ratios
@@ -21,7 +22,9 @@ drafts against llama-server `--spec-type ngram-mod`. With `--flags`, a third pai
 fastrun-cpp without drafts with those flags against fastrun-cpp without drafts, the before and
 after of a setting, measured the same way. With `--base-ref REV`, the pair "base": fastrun-cpp
 without drafts at this checkout against the same at commit REV (a git worktree), the before and
-after of a change, with llama-server in the same rounds.
+after of a change, with llama-server in the same rounds. With `--base-libs DIR` instead, "base" is
+this checkout on another build of llama.cpp: the shared libraries in DIR (a llama-cpp-python
+wheel's `llama_cpp/lib`, unzipped), the before and after of a build option.
 
 With `--streams N`, each server's turn in a round is N answers at once (c=N, each to its own new
 prompt), and a rate is their tokens over the time the last one took: the matrix's c=N cell,
@@ -96,6 +99,8 @@ def main() -> int:
                         help="which pairs: no speculation, speculation, flags, base")
     parser.add_argument("--flags", default="", help="fastrun-cpp flags the 'flags' pair tries")
     parser.add_argument("--base-ref", help="the commit the 'base' pair measures this checkout against")
+    parser.add_argument("--base-libs", type=Path,
+                        help="llama.cpp's shared libraries (a wheel's llama_cpp/lib) the 'base' pair runs this checkout on")
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--slots", type=int, default=matrix.SLOTS,
                         help="per server (a 3B model's KV for 16 slots of 5120 tokens is 9.4 GB a server)")
@@ -103,8 +108,8 @@ def main() -> int:
     args = parser.parse_args()
     if not 1 <= args.streams <= args.slots:
         parser.error("--streams must be between 1 and --slots")
-    if ("base" in args.pairs.split(",")) != bool(args.base_ref):
-        parser.error("the pair 'base' and --base-ref go together")
+    if ("base" in args.pairs.split(",")) != (bool(args.base_ref) != bool(args.base_libs)):
+        parser.error("the pair 'base' takes one of --base-ref and --base-libs")
     with checkout(args.base_ref) as base_checkout:
         return run(args, base_checkout)
 
@@ -128,10 +133,14 @@ def run(args: argparse.Namespace, base_checkout: Path | None) -> int:
                                                   extra_args=("--spec-type", "none", *args.flags.split()),
                                                   label="fastrun-cpp-flags")
     checkouts: dict[str, Path | None] = {}
-    if base_checkout is not None:
+    server_env: dict[str, dict[str, str]] = {}
+    if base_checkout is not None or args.base_libs:
         servers["fastrun-cpp base"] = ServerSpec("fastrun-cpp", args.slots, matrix.CTX, args.threads,
                                                  extra_args=("--spec-type", "none"), label="fastrun-cpp-base")
         checkouts["fastrun-cpp base"] = base_checkout
+        if args.base_libs:  # llama-cpp-python's own overrides of where its libraries load from
+            libs = str(args.base_libs.resolve())
+            server_env["fastrun-cpp base"] = {"LLAMA_CPP_LIB_PATH": libs, "MTMD_CPP_LIB": libs}
     pairs = {side: {**matrix.PAIRS, "flags": ("fastrun-cpp flags", "fastrun-cpp no-spec"),
                     "base": ("fastrun-cpp no-spec", "fastrun-cpp base")}[side]
              for side in args.pairs.split(",")}
@@ -155,7 +164,8 @@ def run(args: argparse.Namespace, base_checkout: Path | None) -> int:
                 if model in matrix.TEMPLATES:
                     spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--chat-template-file",
                                                                  str(matrix.TEMPLATES[model])))
-                up[name] = stack.enter_context(running(spec, paths[model], env=env, cwd=checkouts.get(name)))
+                up[name] = stack.enter_context(running(spec, paths[model], env={**env, **server_env.get(name, {})},
+                                                       cwd=checkouts.get(name)))
             for name in names:  # a warm-up answer each, to a prompt no round asks
                 asyncio.run(answer(up[name].base_url, [1_000_000 + k for k in range(args.streams)], args.sampled))
             counters_before = {name: matrix.engine_counters(up[name].base_url) for name in names
@@ -182,7 +192,7 @@ def run(args: argparse.Namespace, base_checkout: Path | None) -> int:
             q1, _, q3 = statistics.quantiles(ratios, n=4)
             ahead = sum(ratio > 1 for ratio in ratios)
             label = {"flags": f"{side}: {args.flags} against without",
-                     "base": f"{side}: this checkout against {args.base_ref}"}.get(side, side)
+                     "base": f"{side}: this checkout against {args.base_ref or args.base_libs}"}.get(side, side)
             rows.append(f"| {model} | {'sampled' if args.sampled else 'greedy'} c={args.streams} | {label} | "
                         f"{statistics.median(rates[ours]):.1f} | {statistics.median(rates[theirs]):.1f} | "
                         f"**{statistics.median(ratios):.3f}x** | {q1:.3f}-{q3:.3f} | {ahead}/{len(ratios)} |")

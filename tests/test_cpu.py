@@ -90,6 +90,18 @@ def test_portable_image_build_is_x86_64_v3():
         "GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_LLAMAFILE"}
 
 
+def test_a_build_for_this_cpu_is_scheduled_for_it_and_no_other_build_is(monkeypatch):
+    """-mtune=native orders instructions for the core that compiles; it is right only where the
+    build runs there: not for another CPU's flags (FASTRUN_CPU_FLAGS, an argument) nor the image."""
+    monkeypatch.delenv(cpu.CPU_FLAGS_ENV, raising=False)
+    tuned = set(cpu.TUNE_FOR_THIS_CPU)
+    assert tuned <= set(cpu.cmake_args()) or cpu.machine() != "x86_64"
+    assert not tuned & set(cpu.cmake_args(frozenset(AMD_EPYC_AVX2.split()), "x86_64"))
+    assert not tuned & set(cpu.x86_64_v3_args())
+    monkeypatch.setenv(cpu.CPU_FLAGS_ENV, AMD_EPYC_AVX2)
+    assert not tuned & set(cpu.cmake_args())
+
+
 def test_every_build_has_llamafile_as_llama_cpp_default_does():
     """Its kernels are what a user's llama-server runs; exact mode keeps them batch-invariant
     with a run-time switch (patches/llama.cpp/0004), so one build serves both modes."""
@@ -171,7 +183,8 @@ def test_make_setup_rebuilds_for_another_cpu_in_a_set_up_venv():
     avx512 = avx2 + " avx512f avx512bw avx512cd avx512dq avx512vl"
     # Another CPU than this one: an AVX2-only machine (an AMD EPYC) forges an AVX-512 one.
     forged, built_for = (avx2, "-DGGML_AVX512=OFF")
-    if cpu.cmake_args(frozenset(avx2.split())) == cpu.cmake_args():
+    this_cpu = [arg for arg in cpu.cmake_args() if arg not in cpu.TUNE_FOR_THIS_CPU]
+    if cpu.cmake_args(frozenset(avx2.split())) == this_cpu:
         forged, built_for = (avx512, "-DGGML_AVX512=ON")
     result = subprocess.run(["make", "-n", "setup"], capture_output=True, text=True, timeout=60,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
