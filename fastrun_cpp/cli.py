@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import logging
 import signal
 import sys
@@ -13,7 +14,8 @@ from typing import Any, Literal, Sequence
 
 from pydantic import ValidationError
 
-from fastrun_cpp import __version__
+from fastrun_cpp import __version__, cpu
+from fastrun_cpp.cpu import BuildCheck
 from fastrun_cpp.default_model import ModelNotFoundError
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.registry import registry_from_settings
@@ -167,6 +169,12 @@ def _nest_limits(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def serve(overrides: dict[str, Any]) -> int:
+    settings = Settings(**_nest_limits(overrides))
+    # Whether llama.cpp runs on this CPU is seen in a child process, while this one imports.
+    build_probe = cpu.BuildProbe()
+    # Importing the server and building its app make ~200k objects, all kept for its life: the
+    # collector, off meanwhile, would only trace them again and again (a quarter of the start).
+    gc.disable()
     import uvicorn
 
     from fastrun_cpp.entrypoints.auth import is_loopback
@@ -175,9 +183,8 @@ def serve(overrides: dict[str, Any]) -> int:
     from fastrun_cpp.entrypoints.openai.responses.sealed import SealSecretError
     from fastrun_cpp.logging_config import configure_logging
 
-    settings = Settings(**_nest_limits(overrides))
     configure_logging(settings.log_level)
-    if not cpu_supports_build():
+    if not cpu_supports_build(build_probe.result()):
         return 2
     try:
         registry = registry_from_settings(settings)
@@ -205,6 +212,9 @@ def serve(overrides: dict[str, Any]) -> int:
     except SealSecretError as exc:
         logger.error("%s", exc)
         return 2
+    # What startup made stays: frozen, the collector skips it from now on (and at exit).
+    gc.freeze()
+    gc.enable()
     uvicorn.run(
         app,
         host=settings.host,
@@ -217,12 +227,9 @@ def serve(overrides: dict[str, Any]) -> int:
     return 0
 
 
-def cpu_supports_build() -> bool:
+def cpu_supports_build(check: BuildCheck) -> bool:
     """Refuse to start, with one line saying what to do, when the llama.cpp build uses
     instructions this CPU lacks (it would die of SIGILL); otherwise log what it uses."""
-    from fastrun_cpp import cpu
-
-    check = cpu.check_build()
     if check.wrong_cpu:
         problem = check.crashed or f"it uses {', '.join(check.missing)}, which this CPU lacks"
         logger.error("llama.cpp was built for another CPU (%s): run `make setup` again to build it for "

@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,27 +198,43 @@ _PROBE = (
 )
 
 
+class BuildProbe:
+    """A build check under way: a child process loads llama.cpp (an illegal instruction kills
+    the child, not us) while the caller goes on; `result` compares the CPU features it was
+    built with against this CPU's flags."""
+
+    def __init__(self, python: str = sys.executable, timeout_s: float = 120) -> None:
+        self._deadline = time.monotonic() + timeout_s
+        self._process = subprocess.Popen([python, "-c", _PROBE], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> BuildCheck:
+        try:
+            stdout, stderr = self._process.communicate(timeout=max(0.0, self._deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.communicate()
+            return BuildCheck((), (), crashed="loading llama.cpp did not finish")
+        returncode = self._process.returncode
+        if returncode != 0:
+            if returncode == -signal.SIGILL:
+                return BuildCheck((), (), crashed="loading llama.cpp died of an illegal instruction",
+                                  illegal_instruction=True)
+            # Anything else (a CUDA build with no GPU device or driver, a missing library) is not
+            # about the CPU: say what the loader printed.
+            said = " / ".join(line.strip() for line in stderr.strip().splitlines()[-3:])
+            return BuildCheck((), (), crashed=f"loading llama.cpp failed (exit status {returncode})"
+                                              + (f": {said[:500]}" if said else ""))
+        features = parse_system_info(stdout)
+        flags = cpu_flags()
+        if not flags:  # the flags cannot be read here: trust a build that loaded
+            return BuildCheck(features, ())
+        return BuildCheck(features, missing_features(features, flags))
+
+
 def check_build(python: str = sys.executable, timeout_s: float = 120) -> BuildCheck:
-    """Load llama.cpp in a child process (an illegal instruction kills the child, not us) and
-    compare the CPU features it was built with against this CPU's flags."""
-    flags = cpu_flags()
-    try:
-        probe = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return BuildCheck((), (), crashed="loading llama.cpp did not finish")
-    if probe.returncode != 0:
-        if probe.returncode == -signal.SIGILL:
-            return BuildCheck((), (), crashed="loading llama.cpp died of an illegal instruction",
-                              illegal_instruction=True)
-        # Anything else (a CUDA build with no GPU device or driver, a missing library) is not
-        # about the CPU: say what the loader printed.
-        said = " / ".join(line.strip() for line in probe.stderr.strip().splitlines()[-3:])
-        return BuildCheck((), (), crashed=f"loading llama.cpp failed (exit status {probe.returncode})"
-                                          + (f": {said[:500]}" if said else ""))
-    features = parse_system_info(probe.stdout)
-    if not flags:  # the flags cannot be read here: trust a build that loaded
-        return BuildCheck(features, ())
-    return BuildCheck(features, missing_features(features, flags))
+    """Whether the llama.cpp build runs on this CPU (BuildProbe, waited for)."""
+    return BuildProbe(python, timeout_s).result()
 
 
 def main(argv: list[str]) -> int:

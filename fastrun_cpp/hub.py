@@ -10,29 +10,24 @@ import re
 from pathlib import Path
 from typing import Callable, Iterable
 
-from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.utils import tqdm as hub_tqdm
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    GatedRepoError,
-    HFValidationError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-
 _SHARD = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
+# huggingface-hub is imported where it is used: it takes about 0.4 s to import, and
+# a server whose models are all local files never needs it.
 
-class _Progress(hub_tqdm):
+
+def _progress_bar_class():
     """huggingface-hub's progress bar, shown also when stderr is not a terminal (server logs),
     unless HF_HUB_DISABLE_PROGRESS_BARS asks for silence."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import tqdm as hub_tqdm
 
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs["disable"] = constants.HF_HUB_DISABLE_PROGRESS_BARS is True
-        super().__init__(*args, **kwargs)
+    class Progress(hub_tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["disable"] = constants.HF_HUB_DISABLE_PROGRESS_BARS is True
+            super().__init__(*args, **kwargs)
+
+    return Progress
 
 
 class HubError(Exception):
@@ -51,7 +46,7 @@ def _watched(filename: str, progress: Progress | None, max_bytes: int | None, st
     """huggingface-hub's progress bar, reporting each step to `progress` and stopping a download
     past `max_bytes`, past the size the Hub gave for it, or when `stop()` says so."""
 
-    class Watched(_Progress):
+    class Watched(_progress_bar_class()):
         def update(self, n: float | None = 1) -> bool | None:
             shown = super().update(n)
             done, total = int(self.n), int(self.total) if self.total else None
@@ -108,6 +103,8 @@ def pull_projector(repo: str, *, revision: str | None = None) -> Path | None:
     """The vision projector a model's repository holds, pulled (or found in the cache), as
     llama-server's -hf does; None when it holds none. Without the network, the cached
     snapshot's files are what the repository holds."""
+    from huggingface_hub import HfApi
+
     try:
         files = HfApi().list_repo_files(repo, revision=revision)
     except Exception:  # noqa: BLE001 - offline mode, no network, an HTTP error: the types move between versions
@@ -135,6 +132,10 @@ def pull(repo: str, filename: str | None = None, *, revision: str | None = None,
 
     With `max_bytes`, a model larger than that (all shards) is refused before any download,
     and a download that runs past it (a server sending more than it said) is stopped."""
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+
     try:
         if filename is None:
             filename = choose_gguf(HfApi().list_repo_files(repo, revision=revision), repo)
@@ -173,6 +174,8 @@ def pull(repo: str, filename: str | None = None, *, revision: str | None = None,
 
 
 def _repo_cache(repo: str) -> Path:
+    from huggingface_hub import constants
+
     return Path(constants.HF_HUB_CACHE) / ("models--" + repo.replace("/", "--"))
 
 
@@ -184,6 +187,9 @@ def _drop_incomplete(repo: str) -> None:
 def cached_gguf(repo: str, filename: str | None = None) -> str | None:
     """The GGUF of `repo` the local Hub cache holds (its name; every shard present), or None;
     without `filename`, the repository's one GGUF. Never touches the network."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
     if filename is None:
         snapshot = _main_snapshot(repo)
         if snapshot is None:
@@ -213,6 +219,8 @@ def _main_snapshot(repo: str) -> Path | None:
 def cached_models(limit: int = 256) -> list[str]:
     """Hub ids of the GGUF models in the local cache (owner/name for a repository's only GGUF,
     owner/name:file.gguf for each of several)."""
+    from huggingface_hub import constants
+
     root = Path(constants.HF_HUB_CACHE)
     try:
         folders = sorted(folder.name for folder in root.iterdir() if folder.name.startswith("models--"))

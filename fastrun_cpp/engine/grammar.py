@@ -131,7 +131,9 @@ class GrammarCompiler:
         if isolated:  # hang_on_request: --debug-faults grammar-hang (tests only)
             self._trials = KillablePool(_try_compiles, (str(model.path), self.limits, hang_on_request),
                                         workers=workers, name="grammar compile")
-            self._pool.submit(self._trials.warm)
+            # Not in the pool: close() waits for the pool (its work reads the vocabulary), and need
+            # not wait for a trial process to start (seconds for a large vocabulary) only to kill it.
+            threading.Thread(target=self._trials.warm, name="fastrun-grammar-warm", daemon=True).start()
         self.stuck = 0  # compilations abandoned past their time limit here (their threads are lost)
 
     @property

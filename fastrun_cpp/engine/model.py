@@ -14,6 +14,9 @@ from fastrun_cpp.engine.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 
+# Tokens llama.cpp writes as nothing unless asked for special tokens (llama_token_to_piece).
+_NOT_PLAIN_TEXT = llama.LLAMA_TOKEN_ATTR_CONTROL | llama.LLAMA_TOKEN_ATTR_UNKNOWN
+
 _SPLIT_MODES = {
     "none": llama.LLAMA_SPLIT_MODE_NONE,
     "layer": llama.LLAMA_SPLIT_MODE_LAYER,
@@ -66,6 +69,7 @@ class LlamaModel:
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
         self._vocab = llama.llama_model_get_vocab(self._model)
+        self._piece_buffer = ctypes.create_string_buffer(256)  # most pieces fit; _piece grows it for one that does not
         self._loras: dict[Path, object] = {}  # LoRA adapters loaded for these weights, by file
         self.n_vocab: int = llama.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train: int = llama.llama_model_n_ctx_train(self._model)
@@ -82,14 +86,17 @@ class LlamaModel:
         self.eos_token_id: int = llama.llama_vocab_eos(self._vocab)
         self.bos_text = self._piece(self.bos_token_id, special=True).decode("utf-8", "replace")
         self.eos_text = self._piece(self.eos_token_id, special=True).decode("utf-8", "replace")
-        # Detokenizing from a table keeps ctypes calls out of the scheduler's per-token path.
+        # Detokenizing from tables keeps ctypes calls out of the scheduler's per-token path. A
+        # vocabulary is a few ctypes calls a token (a second for Gemma 3's 262k), so each table
+        # is read once: every piece with control tokens spelled out (for parsers that read
+        # markers such as Mistral's [TOOL_CALLS] or gpt-oss's <|channel|>), and each token's
+        # attributes, from which llama.cpp's plain pieces follow (llama_token_to_piece without
+        # `special` writes nothing for a control or unknown token, and the same bytes otherwise).
+        self.token_bytes_special: list[bytes] = [self._piece(token, special=True) for token in range(self.n_vocab)]
+        attributes = [llama.llama_vocab_get_attr(self._vocab, token) for token in range(self.n_vocab)]
         self.token_bytes: list[bytes] = [
-            self._piece(token, special=False) for token in range(self.n_vocab)
-        ]
-        # The same with control tokens spelled out, for parsers that read markers such as
-        # Mistral's [TOOL_CALLS] or gpt-oss's <|channel|>.
-        self.token_bytes_special: list[bytes] = [
-            self._piece(token, special=True) for token in range(self.n_vocab)
+            b"" if attribute & _NOT_PLAIN_TEXT else piece
+            for piece, attribute in zip(self.token_bytes_special, attributes)
         ]
         self.eog_token_ids: frozenset[int] = frozenset(
             token for token in range(self.n_vocab) if llama.llama_vocab_is_eog(self._vocab, token)
@@ -98,7 +105,7 @@ class LlamaModel:
         # The text of every control token (<|im_start|>, <start_of_turn>...): from users, plain text.
         self.control_texts: list[str] = [
             self.token_bytes_special[token].decode("utf-8", "replace")
-            for token in range(self.n_vocab) if llama.llama_vocab_is_control(self._vocab, token)
+            for token, attribute in enumerate(attributes) if attribute & llama.LLAMA_TOKEN_ATTR_CONTROL
         ]
         self.chat_template: str | None = self._chat_template()
         self.description = self.metadata("general.name") or self.path.stem
@@ -173,7 +180,7 @@ class LlamaModel:
             self._model = None
 
     def _piece(self, token: int, *, special: bool) -> bytes:
-        buffer = ctypes.create_string_buffer(64)
+        buffer = self._piece_buffer
         size = llama.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
         if size < 0:
             buffer = ctypes.create_string_buffer(-size)
