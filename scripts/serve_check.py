@@ -182,7 +182,7 @@ def main() -> int:
                 print(f"serve-check: a batch file uploaded and ran: {batch(base, work)} lines answered", flush=True)
                 print(f"serve-check: pulled {PULLED} ({pull(base)} progress events) and chatted with it",
                       flush=True)
-                stop(server)
+                stop(server, under_make=args.make)
                 print(f"serve-check: stopped cleanly (SIGTERM, exit 0); {time.monotonic() - started:.0f} s in all",
                       flush=True)
             except BaseException as failure:
@@ -195,12 +195,13 @@ def main() -> int:
     return 0
 
 
-def stop(server: subprocess.Popen) -> None:
+def stop(server: subprocess.Popen, under_make: bool) -> None:
     """SIGTERM to the server itself (under `make serve`, make's child), as a service manager
-    or a terminal's Ctrl-C would send; make then exits with the server's status."""
+    or a terminal's Ctrl-C would send; make then exits with the server's status. A server run
+    directly has children of its own (its worker processes): it is the one signalled."""
     children = Path(f"/proc/{server.pid}/task/{server.pid}/children")
     target = server.pid
-    if children.exists() and children.read_text().split():
+    if under_make and children.exists() and children.read_text().split():
         target = int(children.read_text().split()[0])
     os.kill(target, signal.SIGTERM)
     try:
