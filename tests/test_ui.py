@@ -211,6 +211,7 @@ def test_a_message_streams_an_answer_kept_in_the_browser_with_tokens_per_second_
 def test_edit_and_resend_and_regenerate(tab, ui_server):
     page = tab.page
     choose(page, "smol")
+    set_sampling(page, max_tokens="32")  # three sampled answers: bounded, not up to the 2k-token context
     send(page, "Name a color.")
     wait_for_answers(page, 1)
     page.click(".msg.user .edit")
@@ -248,6 +249,7 @@ def test_choosing_an_unloaded_model_loads_it(tab, ui_server):
     choose(page, "gemma")
     page.wait_for_function("() => document.getElementById('model-status').textContent === 'loaded'", timeout=300_000)
     assert httpx.get(ui_server.base_url + "/models/gemma", timeout=10).json()["status"] == "loaded"
+    set_sampling(page, max_tokens="16")  # an answer is all this needs, not the 2k tokens Gemma may ramble
     send(page, "Hello")
     wait_for_answers(page, 1)
     assert STATS.search(last_stats(page))
