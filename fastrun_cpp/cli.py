@@ -15,7 +15,6 @@ from typing import Any, Literal, Sequence
 from pydantic import ValidationError
 
 from fastrun_cpp import __version__, cpu
-from fastrun_cpp.cpu import BuildCheck
 from fastrun_cpp.default_model import ModelNotFoundError
 from fastrun_cpp.limits import Limits
 from fastrun_cpp.registry import registry_from_settings
@@ -227,7 +226,7 @@ def serve(overrides: dict[str, Any]) -> int:
     return 0
 
 
-def cpu_supports_build(check: BuildCheck) -> bool:
+def cpu_supports_build(check: cpu.BuildCheck) -> bool:
     """Refuse to start, with one line saying what to do, when the llama.cpp build uses
     instructions this CPU lacks (it would die of SIGILL); otherwise log what it uses."""
     if check.wrong_cpu:

@@ -16,20 +16,6 @@ _SHARD = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf
 # a server whose models are all local files never needs it.
 
 
-def _progress_bar_class():
-    """huggingface-hub's progress bar, shown also when stderr is not a terminal (server logs),
-    unless HF_HUB_DISABLE_PROGRESS_BARS asks for silence."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import tqdm as hub_tqdm
-
-    class Progress(hub_tqdm):
-        def __init__(self, *args, **kwargs) -> None:
-            kwargs["disable"] = constants.HF_HUB_DISABLE_PROGRESS_BARS is True
-            super().__init__(*args, **kwargs)
-
-    return Progress
-
-
 class HubError(Exception):
     """A model could not be fetched: the message says why, for people."""
 
@@ -44,9 +30,17 @@ Progress = Callable[[str, int, int | None], None]
 
 def _watched(filename: str, progress: Progress | None, max_bytes: int | None, stop: Callable[[], bool] | None):
     """huggingface-hub's progress bar, reporting each step to `progress` and stopping a download
-    past `max_bytes`, past the size the Hub gave for it, or when `stop()` says so."""
+    past `max_bytes`, past the size the Hub gave for it, or when `stop()` says so. It is shown
+    also when stderr is not a terminal (server logs), unless HF_HUB_DISABLE_PROGRESS_BARS asks
+    for silence."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import tqdm as hub_tqdm
 
-    class Watched(_progress_bar_class()):
+    class Watched(hub_tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["disable"] = constants.HF_HUB_DISABLE_PROGRESS_BARS is True
+            super().__init__(*args, **kwargs)
+
         def update(self, n: float | None = 1) -> bool | None:
             shown = super().update(n)
             done, total = int(self.n), int(self.total) if self.total else None
