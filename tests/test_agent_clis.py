@@ -112,9 +112,12 @@ class ClaudeCode:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.server, self.key, self.model = server, key, model
 
-    def turn(self, prompt: str, *, resume: bool = False, image: bytes | None = None) -> tuple[dict, Served]:
-        """One headless turn; with `image` (a PNG), the prompt goes in as Claude Code's
-        stream-json input, a user message of the text and the image, as its SDK sends one."""
+    def turn(self, prompt: str, *, resume: bool = False, image: bytes | None = None,
+             stream_json: bool = False) -> tuple[dict, Served]:
+        """One headless turn; with `stream_json` or an `image` (a PNG), the prompt goes in as
+        Claude Code's stream-json input, a user message of the text (and the image), as its SDK
+        sends one. Claude Code's system prompt is not quite the same in the two modes (its Bash
+        tool's default timeout), so turns that should share a cached prefix keep to one."""
         env = {
             "HOME": str(self.home), "CLAUDE_CONFIG_DIR": str(self.home / ".claude"),
             "ANTHROPIC_BASE_URL": self.server.root_url, "ANTHROPIC_API_KEY": self.key,
@@ -124,15 +127,16 @@ class ClaudeCode:
             "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
         }
         stdin = None
-        if image is None:
+        if image is None and not stream_json:
             command = [str(CLAUDE), "-p", *(["--continue"] if resume else []), prompt, "--output-format", "json"]
         else:
             command = [str(CLAUDE), "-p", *(["--continue"] if resume else []), "--input-format", "stream-json",
                        "--output-format", "stream-json", "--verbose"]
-            stdin = json.dumps({"type": "user", "message": {"role": "user", "content": [
-                {"type": "text", "text": prompt},
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                             "data": base64.b64encode(image).decode()}}]}}) + "\n"
+            content = [{"type": "text", "text": prompt}]
+            if image is not None:
+                content.append({"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                            "data": base64.b64encode(image).decode()}})
+            stdin = json.dumps({"type": "user", "message": {"role": "user", "content": content}}) + "\n"
         stdout, served = run_cli(self.server, command, env, self.workdir, stdin)
         result = json.loads(stdout.strip().splitlines()[-1])
         assert result["type"] == "result" and not result["is_error"], result

@@ -347,21 +347,23 @@ def test_claude_code_and_codex_send_an_image_and_get_answers(gemma_path, project
     png = encoded(picture(9, 320, 240))
     with run_server("--models-file", str(registry), "--log-prompts", log_dir=tmp_path,
                     startup_timeout=120) as server:
+        # Every turn in Claude Code's SDK mode (stream-json), so that each new conversation finds
+        # the system prompt and tools (~12k tokens) cached.
         claude = ClaudeCode(tmp_path, server, "open-mode", model=MODEL)
         _, with_image = claude.turn("What is in this image? One word.", image=png)
-        _, following = claude.turn("And its colour? One word.", resume=True)
+        _, following = claude.turn("And its colour? One word.", resume=True, stream_json=True)
         assert_reuses(with_image, following)
-        _, without = claude.turn("What is in this image? One word.")
+        _, without = claude.turn("What is in this image? One word.", stream_json=True)
         assert (with_image.generations()[0]["prompt_tokens"] - without.generations()[0]["prompt_tokens"]
                 >= IMAGE_TOKENS), (with_image.requests, without.requests)
 
         (claude.workdir / "shot.png").write_bytes(png)
         logged = len(server.log())
-        _, read = claude.turn("What is in @shot.png ? One word.")
+        _, read = claude.turn("What is in @shot.png ? One word.", stream_json=True)
         prompt = server.log()[logged:].split(" prompt: ", 1)[1].splitlines()[0]  # one line: logged as a repr
         assert "Called the Read tool" in prompt and "shot.png" in prompt
         assert "<__media__>" in prompt.split("Called the Read tool", 1)[1]
-        _, following = claude.turn("And its colour? One word.", resume=True)
+        _, following = claude.turn("And its colour? One word.", resume=True, stream_json=True)
         assert_reuses(read, following)
 
         codex = Codex(tmp_path, server, "open-mode", model=MODEL)

@@ -7,6 +7,8 @@ is put beside the estimate, and the larger of the two is what the model holds.""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import re
 from dataclasses import dataclass
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as llama
 
-from fastrun_cpp.engine.backend import BufferReport, init_backend
+from fastrun_cpp.engine.backend import BufferReport
 from fastrun_cpp.engine.errors import ModelLoadError
 from fastrun_cpp.registry import ModelConfig
 
@@ -47,22 +49,15 @@ class ModelShape:
 
 
 def read_shape(path: Path) -> ModelShape:
-    """The shape from the GGUF header (llama.cpp's vocab-only load: no weights are read). Read
-    from the metadata keys: llama.cpp's per-layer accessors abort on a model loaded without its
-    layers."""
-    init_backend()
-    params = llama.llama_model_default_params()
-    params.vocab_only = True
-    params.n_gpu_layers = 0
-    handle = llama.llama_model_load_from_file(str(path).encode(), params)
-    if not handle:
-        raise ModelLoadError(f"llama.cpp could not read {path}")
-    try:
-        n_vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(handle))
-        architecture = _metadata(handle, "general.architecture") or ""
+    """The shape from the GGUF header, read by ggml's own GGUF parser: the metadata only, where a
+    vocab-only llama.cpp load would also build the tokenizer (about 1 s for Gemma 3's 262k
+    tokens, on every start)."""
+    with _GgufHeader(path) as header:
+        n_vocab = header.array_length("tokenizer.ggml.tokens") or 0
+        architecture = header.string("general.architecture") or ""
 
         def number(key: str) -> int | None:
-            return _int(_metadata(handle, f"{architecture}.{key}"))
+            return header.integer(f"{architecture}.{key}")
 
         n_layer = number("block_count") or 0
         n_embd = number("embedding_length") or 0
@@ -70,25 +65,85 @@ def read_shape(path: Path) -> ModelShape:
         n_head_kv = number("attention.head_count_kv") or n_head
         key_length = number("attention.key_length") or n_embd // n_head
         value_length = number("attention.value_length") or key_length
-    finally:
-        llama.llama_model_free(handle)
     return ModelShape(n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab, kv_width=(key_length + value_length) * n_head_kv,
                       file_bytes=sum(part.stat().st_size for part in _shards(path)))
 
 
-def _metadata(handle, key: str) -> str | None:
-    size = llama.llama_model_meta_val_str(handle, key.encode(), None, 0)
-    if size < 0:
-        return None
-    buffer = bytes(size + 1)
-    llama.llama_model_meta_val_str(handle, key.encode(), buffer, size + 1)
-    return buffer[:size].decode("utf-8", "replace")
+class _GgufInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
-def _int(text: str | None) -> int | None:
-    """A number, or the largest of an array's ("[8, 8, 4]": a per-layer value)."""
-    numbers = [int(n) for n in re.findall(r"[0-9]+", text or "")]
-    return max(numbers) if numbers else None
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# ggml's gguf_type: the integer element types, as ctypes reads them.
+_GGUF_INTEGERS = {0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16, 4: ctypes.c_uint32,
+                  5: ctypes.c_int32, 10: ctypes.c_uint64, 11: ctypes.c_int64}
+
+
+@functools.cache
+def _ggml_base():
+    """ggml's base library, beside llama.cpp's (its GGUF parser is not in llama-cpp-python's
+    bindings)."""
+    from llama_cpp._ctypes_extensions import load_shared_library
+
+    lib = load_shared_library("ggml-base", llama._base_path)
+    lib.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInitParams]
+    lib.gguf_init_from_file.restype = ctypes.c_void_p
+    lib.gguf_free.argtypes = [ctypes.c_void_p]
+    lib.gguf_free.restype = None
+    lib.gguf_find_key.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.gguf_find_key.restype = ctypes.c_int64
+    for getter in (lib.gguf_get_kv_type, lib.gguf_get_arr_type):
+        getter.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        getter.restype = ctypes.c_int
+    lib.gguf_get_arr_n.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gguf_get_arr_n.restype = ctypes.c_size_t
+    lib.gguf_get_arr_data.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gguf_get_arr_data.restype = ctypes.c_void_p
+    lib.gguf_get_val_str.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gguf_get_val_str.restype = ctypes.c_char_p
+    return lib
+
+
+class _GgufHeader:
+    """A GGUF file's key-value metadata. Each accessor checks a key's type before ggml's getter
+    is called: the getters assert it (and an assertion aborts the process)."""
+
+    def __init__(self, path: Path) -> None:
+        self._lib = _ggml_base()
+        self._ctx = self._lib.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
+        if not self._ctx:
+            raise ModelLoadError(f"llama.cpp could not read {path}")
+
+    def __enter__(self) -> _GgufHeader:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._lib.gguf_free(self._ctx)
+
+    def _key(self, key: str) -> tuple[int, int]:
+        """The key's index and type (-1, -1 if the file has none)."""
+        index = self._lib.gguf_find_key(self._ctx, key.encode())
+        return (index, self._lib.gguf_get_kv_type(self._ctx, index)) if index >= 0 else (-1, -1)
+
+    def string(self, key: str) -> str | None:
+        index, kind = self._key(key)
+        return self._lib.gguf_get_val_str(self._ctx, index).decode("utf-8", "replace") if kind == _GGUF_STRING else None
+
+    def array_length(self, key: str) -> int | None:
+        index, kind = self._key(key)
+        return self._lib.gguf_get_arr_n(self._ctx, index) if kind == _GGUF_ARRAY else None
+
+    def integer(self, key: str) -> int | None:
+        """An integer, or the largest of an array of them (a per-layer value such as Gemma 3n's
+        head counts)."""
+        index, kind = self._key(key)
+        count = 1
+        if kind == _GGUF_ARRAY:
+            kind, count = self._lib.gguf_get_arr_type(self._ctx, index), self._lib.gguf_get_arr_n(self._ctx, index)
+        if kind not in _GGUF_INTEGERS or count == 0:
+            return None
+        values = (_GGUF_INTEGERS[kind] * count).from_address(self._lib.gguf_get_arr_data(self._ctx, index))
+        return max(values)
 
 
 def _shards(path: Path) -> list[Path]:
@@ -188,8 +243,6 @@ def give_back_freed_memory() -> None:
     long while), then return the heap's free pages to the system (glibc's malloc_trim)."""
     gc.collect()
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
