@@ -335,3 +335,35 @@ def test_pulls_sent_together_take_at_most_two_places_and_give_them_back(tmp_path
         # The clients left: their places come back, and a pull is accepted again.
         assert wait_until(lambda: pull_status(server, "fastrun-test/slow-a-GGUF") == 200, 120)
         assert chat(server, "HuggingFaceTB/SmolLM2-135M-Instruct").status_code == 200
+
+
+def test_a_model_shape_is_read_from_its_header_and_odd_headers_fall_back(tmp_path):
+    """read_shape reads the GGUF header with ggml's parser: a real model's shape as llama.cpp
+    loads it; keys of the wrong type or out of range (ggml's getters assert a type, and an
+    assertion would abort the server) give the defaults; a file that is not a GGUF is a clear
+    error."""
+    import gguf
+    import numpy as np
+
+    from fastrun_cpp.engine.errors import ModelLoadError
+    from fastrun_cpp.tiny_model import finish_gguf
+
+    shape = read_shape(embedded_model_path())  # SmolLM2-135M
+    assert (shape.n_layer, shape.n_embd, shape.n_vocab, shape.kv_width) == (30, 576, 49152, 2 * 64 * 3)
+
+    odd = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(odd), "llama")
+    writer.add_string("llama.block_count", "thirty")  # a string where a number belongs
+    writer.add_uint32("llama.embedding_length", 256)
+    writer.add_array("llama.attention.head_count", [4, 8, 2])  # per layer: the largest counts
+    writer.add_int32("llama.attention.head_count_kv", -3)  # out of range: the head count's
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 256), dtype=np.float32))
+    finish_gguf(writer)
+    shape = read_shape(odd)
+    assert (shape.n_layer, shape.n_embd, shape.n_vocab, shape.kv_width) == (0, 256, 3, 2 * (256 // 8) * 8)
+
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"GGUF" + b"\xff" * 60)
+    with pytest.raises(ModelLoadError):
+        read_shape(not_gguf)

@@ -134,16 +134,16 @@ class _GgufHeader:
         return self._lib.gguf_get_arr_n(self._ctx, index) if kind == _GGUF_ARRAY else None
 
     def integer(self, key: str) -> int | None:
-        """An integer, or the largest of an array of them (a per-layer value such as Gemma 3n's
-        head counts)."""
+        """A positive integer, or the largest of an array of them (a per-layer value such as
+        Gemma 3n's head counts); None where the file has none (the caller's default applies)."""
         index, kind = self._key(key)
         count = 1
         if kind == _GGUF_ARRAY:
             kind, count = self._lib.gguf_get_arr_type(self._ctx, index), self._lib.gguf_get_arr_n(self._ctx, index)
         if kind not in _GGUF_INTEGERS or count == 0:
             return None
-        values = (_GGUF_INTEGERS[kind] * count).from_address(self._lib.gguf_get_arr_data(self._ctx, index))
-        return max(values)
+        largest = max((_GGUF_INTEGERS[kind] * count).from_address(self._lib.gguf_get_arr_data(self._ctx, index)))
+        return largest if largest > 0 else None
 
 
 def _shards(path: Path) -> list[Path]:
